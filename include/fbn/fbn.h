@@ -1,0 +1,11 @@
+// Umbrella header: everything a C++ user of fbn needs.
+#ifndef FBN_FBN_H_
+#define FBN_FBN_H_
+
+#include "fbn/ops.h"
+#include "fbn/status.h"
+#include "fbn/threading.h"
+#include "fbn/types.h"
+#include "fbn/version.h"
+
+#endif  // FBN_FBN_H_

@@ -1,0 +1,263 @@
+// Orchestration of the batch-norm kernels: fixed task partitions, threads, ordered merges.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "kernels/batch_norm_kernels.h"
+#include "kernels/kernel_table.h"
+#include "threading/thread_pool.h"
+
+namespace fbn::kernels {
+namespace {
+
+// A reduction task reads about this much of each input; the partition depends only on the shape
+// and element size, never on the thread count, which keeps results bit-identical.
+constexpr double kReduceTaskBytes = 256.0 * 1024;
+constexpr int64_t kMaxReduceTasks = 64;
+// An element-wise task writes about this much.
+constexpr double kApplyTaskBytes = 64.0 * 1024;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t ClampTasks(double wanted, int64_t upper) {
+  const double clamped = std::min(std::max(1.0, std::ceil(wanted)), static_cast<double>(upper));
+  return static_cast<int64_t>(clamped);
+}
+
+// Grow-only scratch owned by the calling thread: partial results of reduction tasks.
+double* Scratch(size_t doubles) {
+  thread_local std::vector<double> buffer;
+  if (buffer.size() < doubles) buffer.resize(doubles);
+  return buffer.data();
+}
+
+const KernelEntry& Entry(DataType dtype) {
+  return ActiveKernels().entries[static_cast<int>(dtype)];
+}
+
+size_t ElemBytes(DataType dtype) { return DataTypeSize(dtype); }
+
+const void* Offset(const void* p, int64_t elements, size_t elem_bytes) {
+  return static_cast<const char*>(p) + static_cast<size_t>(elements) * elem_bytes;
+}
+
+// Contiguous ranges of rows (channels-last) for a reduction.
+struct RowPartition {
+  int64_t rows_per_task;
+  int64_t tasks;
+};
+RowPartition PartitionRows(int64_t rows, double row_bytes) {
+  const int64_t wanted =
+      ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
+                 std::min<int64_t>(rows, kMaxReduceTasks));
+  const int64_t per = CeilDiv(rows, wanted);
+  return {per, CeilDiv(rows, per)};
+}
+
+// Channels-first reduction: each channel's M elements split into `pieces` ranges of `piece_len`;
+// when a channel is one piece, `group` channels share a task.
+struct RunPartition {
+  int64_t pieces, piece_len, group, tasks;
+};
+RunPartition PartitionRuns(int64_t channels, int64_t per_channel, double elem_bytes) {
+  RunPartition p;
+  const double channel_bytes = static_cast<double>(per_channel) * elem_bytes;
+  p.pieces = ClampTasks(channel_bytes / kReduceTaskBytes, std::min<int64_t>(per_channel, kMaxReduceTasks));
+  p.piece_len = CeilDiv(per_channel, p.pieces);
+  p.pieces = CeilDiv(per_channel, p.piece_len);
+  if (p.pieces == 1) {
+    p.group = ClampTasks(kReduceTaskBytes / std::max(1.0, channel_bytes), channels);
+    p.group = std::min<int64_t>(std::max<int64_t>(p.group, 1), channels);
+    p.tasks = CeilDiv(channels, p.group);
+  } else {
+    p.group = 1;
+    p.tasks = channels * p.pieces;
+  }
+  return p;
+}
+
+// Calls f(c, piece, v0, v1) for every (channel, piece) of task t.
+template <typename F>
+void ForEachRun(const RunPartition& p, int64_t channels, int64_t per_channel, int64_t t, F&& f) {
+  if (p.pieces == 1) {
+    const int64_t c1 = std::min(channels, (t + 1) * p.group);
+    for (int64_t c = t * p.group; c < c1; ++c) f(c, int64_t{0}, int64_t{0}, per_channel);
+  } else {
+    const int64_t c = t / p.pieces, piece = t % p.pieces;
+    const int64_t v0 = piece * p.piece_len;
+    f(c, piece, v0, std::min(per_channel, v0 + p.piece_len));
+  }
+}
+
+}  // namespace
+
+void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
+                  double* variance) {
+  const KernelEntry& e = Entry(dtype);
+  const size_t es = ElemBytes(dtype);
+  const int threads = threading::ThreadsForWork(g.elements() * static_cast<int64_t>(es));
+  const int64_t C = g.c;
+  if (g.channels_last) {
+    const int64_t rows = g.n * g.s;
+    const RowPartition p = PartitionRows(rows, static_cast<double>(C) * static_cast<double>(es));
+    const size_t slot = static_cast<size_t>(4 * C);  // mean, m2, 2·C scratch accumulators
+    double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
+    threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+      double* s = partial + slot * static_cast<size_t>(t);
+      const int64_t r0 = t * p.rows_per_task;
+      e.stats_rows(x, C, r0, std::min(rows, r0 + p.rows_per_task), s, s + C, s + 2 * C);
+    });
+    for (int64_t c = 0; c < C; ++c) {
+      double count = 0, mu = 0, m2 = 0;
+      for (int64_t t = 0; t < p.tasks; ++t) {
+        const double* s = partial + slot * static_cast<size_t>(t);
+        const int64_t r0 = t * p.rows_per_task;
+        const double nb = static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
+        const double total = count + nb;
+        const double delta = s[c] - mu;
+        mu += delta * (nb / total);
+        m2 += s[C + c] + delta * delta * (count * nb / total);
+        count = total;
+      }
+      mean[c] = mu;
+      variance[c] = m2 / count;
+    }
+    return;
+  }
+  const int64_t M = g.per_channel();
+  const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
+  double* partial = Scratch(2 * static_cast<size_t>(C * p.pieces));
+  threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+    ForEachRun(p, C, M, t, [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
+      double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
+      e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, s, s + 1);
+    });
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    double count = 0, mu = 0, m2 = 0;
+    for (int64_t piece = 0; piece < p.pieces; ++piece) {
+      const double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
+      const int64_t v0 = piece * p.piece_len;
+      const double nb = static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
+      const double total = count + nb;
+      const double delta = s[0] - mu;
+      mu += delta * (nb / total);
+      m2 += s[1] + delta * delta * (count * nb / total);
+      count = total;
+    }
+    mean[c] = mu;
+    variance[c] = m2 / count;
+  }
+}
+
+void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
+           const void* b, void* y) {
+  const KernelEntry& e = Entry(dtype);
+  const size_t es = ElemBytes(dtype);
+  const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
+  if (g.channels_last) {
+    const int64_t rows = g.n * g.s;
+    const int64_t per = std::max<int64_t>(
+        1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
+    threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
+      e.apply_rows(x, g.c, t * per, std::min(rows, (t + 1) * per), mean, a, b, y);
+    });
+  } else {
+    const int64_t total = g.elements();
+    const int64_t per = static_cast<int64_t>(kApplyTaskBytes / static_cast<double>(es));
+    threading::ParallelFor(CeilDiv(total, per), threads, [&](int64_t t) {
+      e.apply_flat(x, g.c, g.s, t * per, std::min(total, (t + 1) * per), mean, a, b, y);
+    });
+  }
+}
+
+namespace {
+
+// Shared by BackwardReduce and FrozenBackward: k1 == nullptr means reduce only.
+void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x, const void* mean,
+                const void* k1, void* dx, double* sum_dy, double* sum_dy_xc) {
+  const KernelEntry& e = Entry(dtype);
+  const size_t es = ElemBytes(dtype);
+  const int threads =
+      threading::ThreadsForWork((k1 ? 3 : 2) * g.elements() * static_cast<int64_t>(es));
+  const int64_t C = g.c;
+  if (g.channels_last) {
+    const int64_t rows = g.n * g.s;
+    const RowPartition p =
+        PartitionRows(rows, 2.0 * static_cast<double>(C) * static_cast<double>(es));
+    const size_t slot = static_cast<size_t>(2 * C);
+    double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
+    threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+      double* s = partial + slot * static_cast<size_t>(t);
+      const int64_t r0 = t * p.rows_per_task;
+      e.reduce_rows(dy, x, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx);
+    });
+    for (int64_t c = 0; c < C; ++c) {
+      double s0 = 0, s1 = 0;
+      for (int64_t t = 0; t < p.tasks; ++t) {
+        s0 += partial[slot * static_cast<size_t>(t) + static_cast<size_t>(c)];
+        s1 += partial[slot * static_cast<size_t>(t) + static_cast<size_t>(C + c)];
+      }
+      sum_dy[c] = s0;
+      sum_dy_xc[c] = s1;
+    }
+    return;
+  }
+  const int64_t M = g.per_channel();
+  const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
+  double* partial = Scratch(2 * static_cast<size_t>(C * p.pieces));
+  threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+    ForEachRun(p, C, M, t, [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
+      double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
+      e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, mean, c, s, s + 1, k1, dx);
+    });
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    double s0 = 0, s1 = 0;
+    for (int64_t piece = 0; piece < p.pieces; ++piece) {
+      s0 += partial[2 * static_cast<size_t>(c * p.pieces + piece)];
+      s1 += partial[2 * static_cast<size_t>(c * p.pieces + piece) + 1];
+    }
+    sum_dy[c] = s0;
+    sum_dy_xc[c] = s1;
+  }
+}
+
+}  // namespace
+
+void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                    const void* mean, double* sum_dy, double* sum_dy_xc) {
+  ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, sum_dy, sum_dy_xc);
+}
+
+void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                    const void* mean, const void* k1, void* dx, double* sum_dy,
+                    double* sum_dy_xc) {
+  ReduceImpl(dtype, g, dy, x, mean, k1, dx, sum_dy, sum_dy_xc);
+}
+
+void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                   const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
+  const KernelEntry& e = Entry(dtype);
+  const size_t es = ElemBytes(dtype);
+  const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
+  if (g.channels_last) {
+    const int64_t rows = g.n * g.s;
+    const int64_t per = std::max<int64_t>(
+        1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
+    threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
+      e.backward_apply_rows(dy, x, g.c, t * per, std::min(rows, (t + 1) * per), mean, k1, k2, k0,
+                            dx);
+    });
+  } else {
+    const int64_t total = g.elements();
+    const int64_t per = static_cast<int64_t>(kApplyTaskBytes / static_cast<double>(es));
+    threading::ParallelFor(CeilDiv(total, per), threads, [&](int64_t t) {
+      e.backward_apply_flat(dy, x, g.c, g.s, t * per, std::min(total, (t + 1) * per), mean, k1, k2,
+                            k0, dx);
+    });
+  }
+}
+
+}  // namespace fbn::kernels

@@ -1,0 +1,495 @@
+// Batch-norm kernels, written once against Highway and compiled per SIMD target (foreach_target),
+// plus the target-independent orchestration: task partitioning, threading and ordered merging.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/batch_norm_kernels.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "hwy/highway.h"
+#include "kernels/batch_norm_kernels.h"
+#include "kernels/convert.h"
+#include "kernels/kernel_table.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fbn::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// ------------------------------------------------------------------------------------------------
+// Vector loads and stores of storage type T as vectors of Acc<T>.
+
+template <typename T>
+using AccTag = hn::ScalableTag<Acc<T>>;
+
+template <class D>
+HWY_INLINE hn::Vec<D> LoadAcc(D d, const float* p) {
+  return hn::LoadU(d, p);
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadAcc(D d, const double* p) {
+  return hn::LoadU(d, p);
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadAcc(D d, const Half* p) {
+  const hn::Rebind<hwy::float16_t, D> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadAcc(D d, const BFloat16* p) {
+  const hn::Rebind<uint16_t, D> du16;
+  const hn::RebindToUnsigned<D> du32;
+  const auto bits = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
+  return hn::BitCast(d, hn::ShiftLeft<16>(bits));
+}
+
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, float* p) {
+  hn::StoreU(v, d, p);
+}
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, double* p) {
+  hn::StoreU(v, d, p);
+}
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, Half* p) {
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // F16C rounds to nearest even.
+  const hn::Rebind<hwy::float16_t, D> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+#else
+  // Highway's emulated demotion truncates; round correctly lane by lane instead.
+  HWY_ALIGN float lanes[hn::MaxLanes(d)];
+  hn::Store(v, d, lanes);
+  for (size_t i = 0; i < hn::Lanes(d); ++i) p[i] = ToHalf(lanes[i]);
+#endif
+}
+template <class D>
+HWY_INLINE void StoreAcc(D /*d*/, hn::Vec<D> v, BFloat16* p) {
+  // Round to nearest even on the integer bits; NaN stays a (quiet) NaN.
+  const hn::RebindToUnsigned<D> du32;
+  const hn::RebindToSigned<D> di32;
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = hn::BitCast(du32, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1u));
+  auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
+  const auto quiet_nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du32, 0x40u));
+  rounded = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet_nan, rounded);
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, rounded)), du16,
+             reinterpret_cast<uint16_t*>(p));
+}
+
+// Merges a block's (count, mean, m2) into a running state with Chan's formula, in double.
+HWY_INLINE void ChanMerge(double& count, double& mean, double& m2, double nb, double mb,
+                          double m2b) {
+  const double total = count + nb;
+  const double delta = mb - mean;
+  mean += delta * (nb / total);
+  m2 += m2b + delta * delta * (count * nb / total);
+  count = total;
+}
+
+// Rows per block of a channels-last reduction: the block is re-read from cache by the second pass.
+HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes) {
+  constexpr int64_t kBlockBytes = 48 * 1024;
+  const int64_t row_bytes = channels * static_cast<int64_t>(elem_bytes);
+  const int64_t rows = kBlockBytes / (row_bytes > 0 ? row_bytes : 1);
+  return rows < 8 ? 8 : (rows > 2048 ? 2048 : rows);
+}
+constexpr int64_t kRunBlock = 4096;  // elements per block of a channels-first reduction
+
+// ------------------------------------------------------------------------------------------------
+// Stats.
+
+// Channels-last: statistics of rows [r0, r1) for all channels. `mean`/`m2` receive this range's
+// per-channel mean and centred sum of squares; `tmp` holds 2·C accumulators.
+template <typename T>
+void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
+               void* tmpv) {
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  A* bmean = static_cast<A*>(tmpv);
+  A* bm2 = bmean + C;
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t block = BlockRows(C, sizeof(T));
+  double count = 0;
+  for (int64_t c = 0; c < C; ++c) mean[c] = m2[c] = 0.0;
+  for (int64_t b0 = r0; b0 < r1; b0 += block) {
+    const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
+    const A nb = static_cast<A>(b1 - b0);
+    const auto vinv = hn::Set(d, A(1) / nb);
+    int64_t c = 0;
+    for (; c + N <= C; c += N) {
+      auto s0 = hn::Zero(d), s1 = hn::Zero(d);
+      int64_t r = b0;
+      for (; r + 2 <= b1; r += 2) {
+        s0 = hn::Add(s0, LoadAcc(d, x + r * C + c));
+        s1 = hn::Add(s1, LoadAcc(d, x + (r + 1) * C + c));
+      }
+      if (r < b1) s0 = hn::Add(s0, LoadAcc(d, x + r * C + c));
+      const auto m = hn::Mul(hn::Add(s0, s1), vinv);
+      auto q0 = hn::Zero(d), q1 = hn::Zero(d);
+      r = b0;
+      for (; r + 2 <= b1; r += 2) {
+        const auto d0 = hn::Sub(LoadAcc(d, x + r * C + c), m);
+        const auto d1 = hn::Sub(LoadAcc(d, x + (r + 1) * C + c), m);
+        q0 = hn::MulAdd(d0, d0, q0);
+        q1 = hn::MulAdd(d1, d1, q1);
+      }
+      if (r < b1) {
+        const auto d0 = hn::Sub(LoadAcc(d, x + r * C + c), m);
+        q0 = hn::MulAdd(d0, d0, q0);
+      }
+      hn::StoreU(m, d, bmean + c);
+      hn::StoreU(hn::Add(q0, q1), d, bm2 + c);
+    }
+    for (; c < C; ++c) {
+      A s = 0;
+      for (int64_t r = b0; r < b1; ++r) s += ToAcc(x[r * C + c]);
+      const A m = s / nb;
+      A q = 0;
+      for (int64_t r = b0; r < b1; ++r) {
+        const A dd = ToAcc(x[r * C + c]) - m;
+        q += dd * dd;
+      }
+      bmean[c] = m;
+      bm2[c] = q;
+    }
+    for (c = 0; c < C; ++c) {
+      double cnt = count;
+      ChanMerge(cnt, mean[c], m2[c], static_cast<double>(nb), static_cast<double>(bmean[c]),
+                static_cast<double>(bm2[c]));
+    }
+    count += static_cast<double>(nb);
+  }
+}
+
+// Sum and centred sum of squares of one contiguous block, two-pass.
+template <typename T>
+HWY_INLINE void BlockTwoPass(const T* p, int64_t len, Acc<T>& out_mean, Acc<T>& out_m2) {
+  using A = Acc<T>;
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 2 * N <= len; i += 2 * N) {
+    s0 = hn::Add(s0, LoadAcc(d, p + i));
+    s1 = hn::Add(s1, LoadAcc(d, p + i + N));
+  }
+  for (; i + N <= len; i += N) s0 = hn::Add(s0, LoadAcc(d, p + i));
+  A s = hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
+  for (; i < len; ++i) s += ToAcc(p[i]);
+  const A m = s / static_cast<A>(len);
+  const auto vm = hn::Set(d, m);
+  auto q0 = hn::Zero(d), q1 = hn::Zero(d);
+  i = 0;
+  for (; i + 2 * N <= len; i += 2 * N) {
+    const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
+    const auto d1 = hn::Sub(LoadAcc(d, p + i + N), vm);
+    q0 = hn::MulAdd(d0, d0, q0);
+    q1 = hn::MulAdd(d1, d1, q1);
+  }
+  for (; i + N <= len; i += N) {
+    const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
+    q0 = hn::MulAdd(d0, d0, q0);
+  }
+  A q = hn::GetLane(hn::SumOfLanes(d, hn::Add(q0, q1)));
+  for (; i < len; ++i) {
+    const A dd = ToAcc(p[i]) - m;
+    q += dd * dd;
+  }
+  out_mean = m;
+  out_m2 = q;
+}
+
+// Channels-first: statistics of elements [v0, v1) of one channel, whose data is planes of S
+// contiguous elements `plane_stride` apart starting at `base`.
+template <typename T>
+void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
+              double* mean, double* m2) {
+  const T* base = static_cast<const T*>(basev);
+  double count = 0, mu = 0, q = 0;
+  int64_t v = v0;
+  while (v < v1) {
+    const int64_t plane = v / S, off = v % S;
+    int64_t len = S - off;
+    if (len > v1 - v) len = v1 - v;
+    if (len > kRunBlock) len = kRunBlock;
+    Acc<T> bm, bq;
+    BlockTwoPass(base + plane * plane_stride + off, len, bm, bq);
+    ChanMerge(count, mu, q, static_cast<double>(len), static_cast<double>(bm),
+              static_cast<double>(bq));
+    v += len;
+  }
+  *mean = mu;
+  *m2 = q;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Apply: y = (x - m)·a + b.
+
+template <typename T>
+void ApplyRows(const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv, const void* av,
+               const void* bv, void* yv) {
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  T* y = static_cast<T*>(yv);
+  const A* mean = static_cast<const A*>(mv);
+  const A* a = static_cast<const A*>(av);
+  const A* b = static_cast<const A*>(bv);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    int64_t c = 0;
+    for (; c + N <= C; c += N) {
+      const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
+      StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c);
+    }
+    for (; c < C; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
+  }
+}
+
+// Channels-first: flat elements [f0, f1) of an N·C·S tensor.
+template <typename T>
+void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mv,
+               const void* av, const void* bv, void* yv) {
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  T* y = static_cast<T*>(yv);
+  const A* mean = static_cast<const A*>(mv);
+  const A* a = static_cast<const A*>(av);
+  const A* b = static_cast<const A*>(bv);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t f = f0; f < f1;) {
+    const int64_t c = (f / S) % C;
+    const int64_t end = (f / S + 1) * S < f1 ? (f / S + 1) * S : f1;
+    const auto vm = hn::Set(d, mean[c]), va = hn::Set(d, a[c]), vb = hn::Set(d, b[c]);
+    int64_t i = f;
+    for (; i + N <= end; i += N) {
+      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i);
+    }
+    for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
+    f = end;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward reductions: Σdy and Σdy·(x - m). With `k1` non-null (frozen backward), also writes
+// dx = k1·dy in the same sweep.
+
+template <typename T>
+void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv,
+                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv) {
+  using A = Acc<T>;
+  const T* dy = static_cast<const T*>(dyv);
+  const T* x = static_cast<const T*>(xv);
+  const A* mean = static_cast<const A*>(mv);
+  const A* k1 = static_cast<const A*>(k1v);
+  T* dx = static_cast<T*>(dxv);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t block = BlockRows(2 * C, sizeof(T));
+  HWY_ALIGN A lanes[hn::MaxLanes(d)];
+  for (int64_t c = 0; c < C; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
+  for (int64_t b0 = r0; b0 < r1; b0 += block) {
+    const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
+    int64_t c = 0;
+    for (; c + N <= C; c += N) {
+      const auto vm = hn::LoadU(d, mean + c);
+      auto s = hn::Zero(d), t = hn::Zero(d);
+      if (k1) {
+        const auto vk = hn::LoadU(d, k1 + c);
+        for (int64_t r = b0; r < b1; ++r) {
+          const auto g = LoadAcc(d, dy + r * C + c);
+          s = hn::Add(s, g);
+          t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + r * C + c), vm), t);
+          StoreAcc(d, hn::Mul(g, vk), dx + r * C + c);
+        }
+      } else {
+        for (int64_t r = b0; r < b1; ++r) {
+          const auto g = LoadAcc(d, dy + r * C + c);
+          s = hn::Add(s, g);
+          t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + r * C + c), vm), t);
+        }
+      }
+      hn::Store(s, d, lanes);
+      for (int64_t i = 0; i < N; ++i) sum_dy[c + i] += static_cast<double>(lanes[i]);
+      hn::Store(t, d, lanes);
+      for (int64_t i = 0; i < N; ++i) sum_dy_xc[c + i] += static_cast<double>(lanes[i]);
+    }
+    for (; c < C; ++c) {
+      A s = 0, t = 0;
+      for (int64_t r = b0; r < b1; ++r) {
+        const A g = ToAcc(dy[r * C + c]);
+        s += g;
+        t += g * (ToAcc(x[r * C + c]) - mean[c]);
+        if (k1) dx[r * C + c] = FromAcc<T>(g * k1[c]);
+      }
+      sum_dy[c] += static_cast<double>(s);
+      sum_dy_xc[c] += static_cast<double>(t);
+    }
+  }
+}
+
+// Channels-first: elements [v0, v1) of channel c (planes `plane_stride` apart from the channel's
+// first element at offset `base`).
+template <typename T>
+void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stride, int64_t S,
+               int64_t v0, int64_t v1, Acc<T> mean, double* sum_dy, double* sum_dy_xc, Acc<T> k1,
+               void* dxv) {
+  using A = Acc<T>;
+  const T* dy = static_cast<const T*>(dyv);
+  const T* x = static_cast<const T*>(xv);
+  T* dx = static_cast<T*>(dxv);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vm = hn::Set(d, mean);
+  const auto vk = hn::Set(d, k1);
+  double total_s = 0, total_t = 0;
+  int64_t v = v0;
+  while (v < v1) {
+    const int64_t plane = v / S, off = v % S;
+    int64_t len = S - off;
+    if (len > v1 - v) len = v1 - v;
+    if (len > kRunBlock) len = kRunBlock;
+    const int64_t at = base + plane * plane_stride + off;
+    auto s = hn::Zero(d), t = hn::Zero(d);
+    int64_t i = 0;
+    for (; i + N <= len; i += N) {
+      const auto g = LoadAcc(d, dy + at + i);
+      s = hn::Add(s, g);
+      t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + at + i), vm), t);
+      if (dx) StoreAcc(d, hn::Mul(g, vk), dx + at + i);
+    }
+    A ss = hn::GetLane(hn::SumOfLanes(d, s));
+    A tt = hn::GetLane(hn::SumOfLanes(d, t));
+    for (; i < len; ++i) {
+      const A g = ToAcc(dy[at + i]);
+      ss += g;
+      tt += g * (ToAcc(x[at + i]) - mean);
+      if (dx) dx[at + i] = FromAcc<T>(g * k1);
+    }
+    total_s += static_cast<double>(ss);
+    total_t += static_cast<double>(tt);
+    v += len;
+  }
+  *sum_dy = total_s;
+  *sum_dy_xc = total_t;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward apply: dx = k1·dy + k2·(x - m) + k0.
+
+template <typename T>
+void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1,
+                       const void* mv, const void* k1v, const void* k2v, const void* k0v,
+                       void* dxv) {
+  using A = Acc<T>;
+  const T* dy = static_cast<const T*>(dyv);
+  const T* x = static_cast<const T*>(xv);
+  T* dx = static_cast<T*>(dxv);
+  const A* mean = static_cast<const A*>(mv);
+  const A* k1 = static_cast<const A*>(k1v);
+  const A* k2 = static_cast<const A*>(k2v);
+  const A* k0 = static_cast<const A*>(k0v);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C;
+    int64_t c = 0;
+    for (; c + N <= C; c += N) {
+      const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
+      const auto t = hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
+      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c);
+    }
+    for (; c < C; ++c) {
+      const A xc = ToAcc(x[o + c]) - mean[c];
+      dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+    }
+  }
+}
+
+template <typename T>
+void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t f0,
+                       int64_t f1, const void* mv, const void* k1v, const void* k2v,
+                       const void* k0v, void* dxv) {
+  using A = Acc<T>;
+  const T* dy = static_cast<const T*>(dyv);
+  const T* x = static_cast<const T*>(xv);
+  T* dx = static_cast<T*>(dxv);
+  const A* mean = static_cast<const A*>(mv);
+  const A* k1 = static_cast<const A*>(k1v);
+  const A* k2 = static_cast<const A*>(k2v);
+  const A* k0 = static_cast<const A*>(k0v);
+  const AccTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t f = f0; f < f1;) {
+    const int64_t c = (f / S) % C;
+    const int64_t end = (f / S + 1) * S < f1 ? (f / S + 1) * S : f1;
+    const auto vm = hn::Set(d, mean[c]), v1 = hn::Set(d, k1[c]), v2 = hn::Set(d, k2[c]),
+               v0 = hn::Set(d, k0[c]);
+    int64_t i = f;
+    for (; i + N <= end; i += N) {
+      const auto xc = hn::Sub(LoadAcc(d, x + i), vm);
+      StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i);
+    }
+    for (; i < end; ++i) {
+      const A xc = ToAcc(x[i]) - mean[c];
+      dx[i] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[i]) + k0[c]));
+    }
+    f = end;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+
+template <typename T>
+void FillEntry(KernelEntry* e) {
+  e->stats_rows = &StatsRows<T>;
+  e->stats_run = &StatsRun<T>;
+  e->apply_rows = &ApplyRows<T>;
+  e->apply_flat = &ApplyFlat<T>;
+  e->reduce_rows = &ReduceRows<T>;
+  e->reduce_run = [](const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
+                     int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
+                     double* sum_dy_xc, const void* k1, void* dx) {
+    using A = Acc<T>;
+    const A m = static_cast<const A*>(mean)[c];
+    const A k = k1 ? static_cast<const A*>(k1)[c] : A(0);
+    ReduceRun<T>(dy, x, base, plane_stride, S, v0, v1, m, sum_dy, sum_dy_xc, k, k1 ? dx : nullptr);
+  };
+  e->backward_apply_rows = &BackwardApplyRows<T>;
+  e->backward_apply_flat = &BackwardApplyFlat<T>;
+}
+
+const KernelTable* GetKernelTable() {
+  static const KernelTable table = [] {
+    KernelTable t;
+    FillEntry<Half>(&t.entries[static_cast<int>(DataType::kFloat16)]);
+    FillEntry<BFloat16>(&t.entries[static_cast<int>(DataType::kBFloat16)]);
+    FillEntry<float>(&t.entries[static_cast<int>(DataType::kFloat32)]);
+    FillEntry<double>(&t.entries[static_cast<int>(DataType::kFloat64)]);
+    t.target_name = hwy::TargetName(HWY_TARGET);
+    return t;
+  }();
+  return &table;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fbn::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace fbn::kernels {
+
+HWY_EXPORT(GetKernelTable);
+
+const KernelTable& ActiveKernels() {
+  // Resolved on every call (cheap: a table lookup) so tests can cap the target.
+  return *HWY_DYNAMIC_DISPATCH(GetKernelTable)();
+}
+
+}  // namespace fbn::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,52 @@
+// Internal kernel layer: the four batch-norm kernel families over a canonical (N, C, S) geometry,
+// with threading and deterministic reductions. Inputs are already validated by the op layer.
+//
+// Families: stats (per-channel mean and centred sum of squares), apply (y = (x - m)·a + b),
+// backward reduce (Σdy, Σdy·(x - m)), backward apply (dx = k1·dy + k2·(x - m) + k0), and the
+// frozen backward that does reduce and apply in one sweep.
+//
+// Determinism: each reduction is split into tasks fixed by the geometry and element type alone;
+// every task reduces its own range (two-pass within cache-sized blocks, blocks merged with Chan's
+// formula in double), and the tasks' partials are merged in task order. The thread count decides
+// only which thread runs a task, so results are bit-identical for any thread count.
+#ifndef FBN_KERNELS_BATCH_NORM_KERNELS_H_
+#define FBN_KERNELS_BATCH_NORM_KERNELS_H_
+
+#include <cstdint>
+
+#include "fbn/types.h"
+
+namespace fbn::kernels {
+
+struct Geometry {
+  bool channels_last = true;
+  int64_t n = 0;  // batch
+  int64_t c = 0;  // channels
+  int64_t s = 0;  // spatial elements per (batch, channel): D·H·W
+  int64_t per_channel() const { return n * s; }
+  int64_t elements() const { return n * c * s; }
+};
+
+// Per-channel statistics of x: mean and biased variance (M2 / count), in double.
+void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean, double* variance);
+
+// y = (x - mean[c]) * a[c] + b[c]. `mean`, `a`, `b` are float arrays for 16-bit and float x, double
+// arrays for double x.
+void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
+           const void* b, void* y);
+
+// sum_dy[c] = Σ dy, sum_dy_xc[c] = Σ dy·(x - mean[c]) (mean typed as for Apply).
+void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                    const void* mean, double* sum_dy, double* sum_dy_xc);
+
+// dx = k1[c]·dy + k2[c]·(x - mean[c]) + k0[c] (arrays typed as for Apply).
+void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                   const void* mean, const void* k1, const void* k2, const void* k0, void* dx);
+
+// Frozen-statistics backward in one sweep: dx = k1[c]·dy while reducing Σdy and Σdy·(x - mean[c]).
+void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc);
+
+}  // namespace fbn::kernels
+
+#endif  // FBN_KERNELS_BATCH_NORM_KERNELS_H_

@@ -1,0 +1,48 @@
+// The per-target kernel bodies, as one table per SIMD target (built in batch_norm_kernels.cc and
+// chosen at run time by Highway's dynamic dispatch). Each entry serves one storage type; the
+// per-channel arrays (mean, a, b, k*) are of that type's accumulation type.
+#ifndef FBN_KERNELS_KERNEL_TABLE_H_
+#define FBN_KERNELS_KERNEL_TABLE_H_
+
+#include <cstdint>
+
+namespace fbn::kernels {
+
+struct KernelEntry {
+  // Channels-last statistics of rows [r0, r1): per-channel mean and M2 of the range. tmp: 2·C
+  // accumulators of scratch.
+  void (*stats_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
+                     void* tmp);
+  // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
+  void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
+                    double* mean, double* m2);
+  void (*apply_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, const void* mean,
+                     const void* a, const void* b, void* y);
+  void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
+                     const void* a, const void* b, void* y);
+  // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy.
+  void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
+                      const void* mean, double* sum_dy, double* sum_dy_xc, const void* k1,
+                      void* dx);
+  void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
+                     int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
+                     double* sum_dy_xc, const void* k1, void* dx);
+  void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
+                              const void* mean, const void* k1, const void* k2, const void* k0,
+                              void* dx);
+  void (*backward_apply_flat)(const void* dy, const void* x, int64_t C, int64_t S, int64_t f0,
+                              int64_t f1, const void* mean, const void* k1, const void* k2,
+                              const void* k0, void* dx);
+};
+
+struct KernelTable {
+  KernelEntry entries[4];  // indexed by fbn::DataType
+  const char* target_name = "";
+};
+
+// The table of the best target this CPU supports.
+const KernelTable& ActiveKernels();
+
+}  // namespace fbn::kernels
+
+#endif  // FBN_KERNELS_KERNEL_TABLE_H_

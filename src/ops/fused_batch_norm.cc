@@ -1,0 +1,196 @@
+// FusedBatchNorm / V2 / V3 forward: validation in TensorFlow's order, then the kernels.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "fbn/ops.h"
+#include "kernels/batch_norm_kernels.h"
+#include "ops/op_common.h"
+#include "ops/validation.h"
+
+namespace fbn {
+namespace {
+
+using ops::CheckInputType;
+using ops::CheckOutput;
+using ops::CheckTensor;
+
+Status ValidateForward(OpVersion version, const FusedBatchNormInputs& in,
+                       const FusedBatchNormAttrs& attrs) {
+  const char* op = FusedBatchNormOpName(version);
+  // Argument types, as TensorFlow's op registration checks them.
+  Status s = ops::CheckOpTypes(op, version, in.x.dtype,
+                               {in.scale.dtype, in.offset.dtype, in.mean.dtype, in.variance.dtype});
+  if (!s.ok()) return s;
+  if (!(s = ops::CheckFormat(attrs.data_format, version)).ok()) return s;
+  const std::pair<const ConstTensorView*, const char*> tensors[] = {
+      {&in.x, "x"}, {&in.scale, "scale"}, {&in.offset, "offset"}, {&in.mean, "mean"},
+      {&in.variance, "variance"}};
+  for (const auto& [t, name] : tensors) {
+    if (!(s = CheckTensor(*t, name)).ok()) return s;
+  }
+  // The kernel's checks, in its order and with its texts.
+  const int rank = in.x.shape.rank();
+  if (rank != 4 && rank != 5) {
+    return InvalidArgument("input must be 4 or 5-dimensional" + in.x.shape.DebugString());
+  }
+  if (in.scale.shape.rank() != 1) {
+    return InvalidArgument("scale must be 1-dimensional" + in.scale.shape.DebugString());
+  }
+  if (in.offset.shape.rank() != 1) {
+    return InvalidArgument("offset must be 1-dimensional" + in.offset.shape.DebugString());
+  }
+  if (in.mean.shape.rank() != 1) {
+    return InvalidArgument("estimated_mean must be 1-dimensional" + in.mean.shape.DebugString());
+  }
+  if (in.variance.shape.rank() != 1) {
+    return InvalidArgument("estimated_variance must be 1-dimensional" +
+                           in.variance.shape.DebugString());
+  }
+  const int64_t C = ops::ChannelCount(in.x.shape, attrs.data_format);
+  auto count_error = [&](const char* what, int64_t got) {
+    return InvalidArgument(std::string(what) +
+                           " must have the same number of elements as the channels of x, got " +
+                           std::to_string(got) + " and " + std::to_string(C));
+  };
+  if (in.scale.shape.num_elements() != C) return count_error("scale", in.scale.shape.num_elements());
+  if (in.offset.shape.num_elements() != C) {
+    return count_error("offset", in.offset.shape.num_elements());
+  }
+  const bool use_running = !attrs.is_training || attrs.exponential_avg_factor != 1.0f;
+  if (use_running) {
+    const std::string prefix =
+        !attrs.is_training ? "When is_training=false, " : "When exponential_avg_factor != 1, ";
+    if (in.mean.shape.num_elements() != C) {
+      return count_error((prefix + "mean").c_str(), in.mean.shape.num_elements());
+    }
+    if (in.variance.shape.num_elements() != C) {
+      return count_error((prefix + "variance").c_str(), in.variance.shape.num_elements());
+    }
+  }
+  return Status::Ok();
+}
+
+// Per-channel work in double, stored to the outputs' type U (float or double).
+template <typename U>
+void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBatchNormAttrs& attrs,
+                const FusedBatchNormOutputs& out) {
+  const kernels::Geometry g = ops::MakeGeometry(in.x.shape, attrs.data_format);
+  const int64_t C = g.c;
+  const size_t uc = static_cast<size_t>(C);
+  const U* scale = static_cast<const U*>(in.scale.data);
+  const U* offset = static_cast<const U*>(in.offset.data);
+  const U* old_mean = static_cast<const U*>(in.mean.data);
+  const U* old_var = static_cast<const U*>(in.variance.data);
+  U* batch_mean = static_cast<U*>(out.batch_mean.data);
+  U* batch_var = static_cast<U*>(out.batch_variance.data);
+  U* rs1 = static_cast<U*>(out.reserve_space_1.data);
+  U* rs2 = static_cast<U*>(out.reserve_space_2.data);
+  if (version == OpVersion::kV3) *static_cast<U*>(out.reserve_space_3.data) = U(0);
+
+  if (g.elements() == 0) {
+    // TensorFlow: NaN statistics for an empty batch, in training and inference alike.
+    for (size_t c = 0; c < uc; ++c) {
+      batch_mean[c] = batch_var[c] = std::numeric_limits<U>::quiet_NaN();
+      rs1[c] = rs2[c] = U(0);
+    }
+    return;
+  }
+
+  // Scratch: stats (2·C doubles) and the kernel's per-channel arrays (3·C of U).
+  thread_local std::vector<double> scratch;
+  if (scratch.size() < 5 * uc) scratch.resize(5 * uc);
+  double* mean_d = scratch.data();
+  double* var_d = mean_d + uc;
+  U* k_mean = reinterpret_cast<U*>(var_d + uc);
+  U* k_a = k_mean + uc;
+  U* k_b = k_a + uc;
+  const double eps = static_cast<double>(attrs.epsilon);
+
+  if (attrs.is_training) {
+    kernels::ComputeStats(in.x.dtype, g, in.x.data, mean_d, var_d);
+    const double n = static_cast<double>(g.per_channel());
+    const double bessel = n / std::max(n - 1.0, 1.0);
+    const double f = static_cast<double>(attrs.exponential_avg_factor);
+    const bool blend = attrs.exponential_avg_factor != 1.0f;
+    for (size_t c = 0; c < uc; ++c) {
+      k_mean[c] = static_cast<U>(mean_d[c]);
+      k_a[c] = static_cast<U>(static_cast<double>(scale[c]) / std::sqrt(var_d[c] + eps));
+      k_b[c] = offset[c];
+      const double unbiased = var_d[c] * bessel;
+      if (blend) {
+        batch_mean[c] =
+            static_cast<U>((1.0 - f) * static_cast<double>(old_mean[c]) + f * mean_d[c]);
+        batch_var[c] = static_cast<U>((1.0 - f) * static_cast<double>(old_var[c]) + f * unbiased);
+      } else {
+        batch_mean[c] = static_cast<U>(mean_d[c]);
+        batch_var[c] = static_cast<U>(unbiased);
+      }
+      rs1[c] = static_cast<U>(mean_d[c]);
+      rs2[c] = static_cast<U>(var_d[c]);
+    }
+  } else {
+    for (size_t c = 0; c < uc; ++c) {
+      k_mean[c] = old_mean[c];
+      k_a[c] = static_cast<U>(static_cast<double>(scale[c]) /
+                              std::sqrt(static_cast<double>(old_var[c]) + eps));
+      k_b[c] = offset[c];
+      // Read every input before writing: outputs may alias the mean/variance inputs.
+      const U m = old_mean[c], v = old_var[c];
+      batch_mean[c] = rs1[c] = m;
+      batch_var[c] = rs2[c] = v;
+    }
+  }
+  kernels::Apply(in.x.dtype, g, in.x.data, k_mean, k_a, k_b, out.y.data);
+}
+
+}  // namespace
+
+Status FusedBatchNormOutputSpecs(OpVersion version, const FusedBatchNormInputs& inputs,
+                                 const FusedBatchNormAttrs& attrs, TensorSpec specs[kMaxOpOutputs],
+                                 int* num_outputs) noexcept {
+  return ops::Guarded([&]() -> Status {
+    Status s = ValidateForward(version, inputs, attrs);
+    if (!s.ok()) return s;
+    const DataType u = ops::StatsType(inputs.x.dtype);
+    const Shape vec{ops::ChannelCount(inputs.x.shape, attrs.data_format)};
+    specs[0] = {inputs.x.dtype, inputs.x.shape};
+    for (int i = 1; i < 5; ++i) specs[i] = {u, vec};
+    *num_outputs = 5;
+    if (version == OpVersion::kV3) {
+      specs[5] = {u, Shape{}};
+      *num_outputs = 6;
+    }
+    return Status::Ok();
+  });
+}
+
+Status FusedBatchNorm(OpVersion version, const FusedBatchNormInputs& inputs,
+                      const FusedBatchNormAttrs& attrs,
+                      const FusedBatchNormOutputs& outputs) noexcept {
+  return ops::Guarded([&]() -> Status {
+    TensorSpec specs[kMaxOpOutputs];
+    int n = 0;
+    Status s = FusedBatchNormOutputSpecs(version, inputs, attrs, specs, &n);
+    if (!s.ok()) return s;
+    const std::pair<const TensorView*, const char*> outs[] = {
+        {&outputs.y, "y"},
+        {&outputs.batch_mean, "batch_mean"},
+        {&outputs.batch_variance, "batch_variance"},
+        {&outputs.reserve_space_1, "reserve_space_1"},
+        {&outputs.reserve_space_2, "reserve_space_2"},
+        {&outputs.reserve_space_3, "reserve_space_3"}};
+    for (int i = 0; i < n; ++i) {
+      if (!(s = CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
+    }
+    if (specs[1].dtype == DataType::kFloat64) {
+      RunForward<double>(version, inputs, attrs, outputs);
+    } else {
+      RunForward<float>(version, inputs, attrs, outputs);
+    }
+    return Status::Ok();
+  });
+}
+
+}  // namespace fbn

@@ -1,0 +1,185 @@
+// FusedBatchNormGrad / V2 / V3: validation in TensorFlow's order, then the kernels.
+#include <cmath>
+#include <vector>
+
+#include "fbn/ops.h"
+#include "kernels/batch_norm_kernels.h"
+#include "ops/op_common.h"
+#include "ops/validation.h"
+
+namespace fbn {
+namespace {
+
+Status ValidateGrad(OpVersion version, const FusedBatchNormGradInputs& in,
+                    const FusedBatchNormGradAttrs& attrs) {
+  const char* op = FusedBatchNormGradOpName(version);
+  const DataType t = in.y_backprop.dtype;
+  // Registration: y_backprop and x share T; scale is T for V1 and float (double with double x)
+  // after; the reserve spaces are U.
+  Status s = ops::CheckOpTypes(op, version, t, {}, 0);
+  if (!s.ok()) return s;
+  if (!(s = ops::CheckInputType(op, 1, in.x.dtype, t)).ok()) return s;
+  const DataType u = version == OpVersion::kV1 ? t : ops::StatsType(t);
+  if (!(s = ops::CheckInputType(op, 2, in.scale.dtype, u)).ok()) return s;
+  if (version == OpVersion::kV1) {
+    if (!(s = ops::CheckInputType(op, 3, in.reserve_space_1.dtype, t)).ok()) return s;
+    if (!(s = ops::CheckInputType(op, 4, in.reserve_space_2.dtype, t)).ok()) return s;
+  } else {
+    if (in.reserve_space_1.dtype != u) {
+      return ops::AttrTypeError("U", in.reserve_space_1.dtype,
+                                u == DataType::kFloat64 ? "double" : "float");
+    }
+    if (!(s = ops::CheckInputType(op, 4, in.reserve_space_2.dtype, u)).ok()) return s;
+    if (version == OpVersion::kV3) {
+      if (!(s = ops::CheckInputType(op, 5, in.reserve_space_3.dtype, u)).ok()) return s;
+    }
+  }
+  if (!(s = ops::CheckFormat(attrs.data_format, version)).ok()) return s;
+  const std::pair<const ConstTensorView*, const char*> tensors[] = {
+      {&in.y_backprop, "y_backprop"}, {&in.x, "x"},
+      {&in.scale, "scale"},           {&in.reserve_space_1, "reserve_space_1"},
+      {&in.reserve_space_2, "reserve_space_2"}};
+  for (const auto& [tensor, name] : tensors) {
+    if (!(s = ops::CheckTensor(*tensor, name)).ok()) return s;
+  }
+  // reserve_space_3 is never read; only its shape must be sane.
+  if (version == OpVersion::kV3) {
+    if (!(s = in.reserve_space_3.shape.Validate("reserve_space_3")).ok()) return s;
+  }
+
+  // The kernel's checks, in its order and with its texts.
+  for (const ConstTensorView* v : {&in.y_backprop, &in.x}) {
+    const int rank = v->shape.rank();
+    if (rank != 4 && rank != 5) {
+      return InvalidArgument("input must be 4 or 5-dimensional" + v->shape.DebugString());
+    }
+  }
+  if (in.scale.shape.rank() != 1) {
+    return InvalidArgument("scale must be 1-dimensional" + in.scale.shape.DebugString());
+  }
+  if (in.reserve_space_1.shape.rank() != 1) {
+    return InvalidArgument("saved mean must be 1-dimensional" +
+                           in.reserve_space_1.shape.DebugString());
+  }
+  if (in.reserve_space_2.shape.rank() != 1) {
+    return InvalidArgument("saved variance must be 1-dimensional" +
+                           in.reserve_space_2.shape.DebugString());
+  }
+  if (in.x.shape != in.y_backprop.shape) {
+    return InvalidArgument("x and y_backprop must have same shape, but x has shape " +
+                           in.x.shape.DebugString() + " and y_backprop has shape " +
+                           in.y_backprop.shape.DebugString());
+  }
+  const int64_t C = ops::ChannelCount(in.x.shape, attrs.data_format);
+  auto count_error = [&](const char* what, int64_t got) {
+    return InvalidArgument(std::string(what) +
+                           " must have the same number of elements as the channels of x, got " +
+                           std::to_string(got) + " and " + std::to_string(C));
+  };
+  if (in.scale.shape.num_elements() != C) return count_error("scale", in.scale.shape.num_elements());
+  if (in.reserve_space_1.shape.num_elements() != C) {
+    return count_error("reserve_space_1", in.reserve_space_1.shape.num_elements());
+  }
+  if (in.reserve_space_2.shape.num_elements() != C) {
+    return count_error("reserve_space_2", in.reserve_space_2.shape.num_elements());
+  }
+  return Status::Ok();
+}
+
+template <typename U>
+void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& attrs,
+             const FusedBatchNormGradOutputs& out) {
+  const kernels::Geometry g = ops::MakeGeometry(in.x.shape, attrs.data_format);
+  const size_t uc = static_cast<size_t>(g.c);
+  const U* scale = static_cast<const U*>(in.scale.data);
+  const U* mean = static_cast<const U*>(in.reserve_space_1.data);
+  const U* var = static_cast<const U*>(in.reserve_space_2.data);
+  U* scale_bp = static_cast<U*>(out.scale_backprop.data);
+  U* offset_bp = static_cast<U*>(out.offset_backprop.data);
+  if (g.elements() == 0) {
+    for (size_t c = 0; c < uc; ++c) scale_bp[c] = offset_bp[c] = U(0);
+    return;
+  }
+  // Scratch: sums (2·C doubles), inverse std (C doubles), kernel arrays (4·C of U).
+  thread_local std::vector<double> scratch;
+  if (scratch.size() < 7 * uc) scratch.resize(7 * uc);
+  double* sum_dy = scratch.data();
+  double* sum_dy_xc = sum_dy + uc;
+  double* inv = sum_dy_xc + uc;
+  U* k_mean = reinterpret_cast<U*>(inv + uc);
+  U* k1 = k_mean + uc;
+  U* k2 = k1 + uc;
+  U* k0 = k2 + uc;
+  const double eps = static_cast<double>(attrs.epsilon);
+  for (size_t c = 0; c < uc; ++c) {
+    inv[c] = 1.0 / std::sqrt(static_cast<double>(var[c]) + eps);
+    k_mean[c] = mean[c];
+    k1[c] = static_cast<U>(static_cast<double>(scale[c]) * inv[c]);
+  }
+  if (attrs.is_training) {
+    kernels::BackwardReduce(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, sum_dy,
+                            sum_dy_xc);
+    const double n = static_cast<double>(g.per_channel());
+    for (size_t c = 0; c < uc; ++c) {
+      const double a = static_cast<double>(scale[c]) * inv[c];
+      k0[c] = static_cast<U>(-a * sum_dy[c] / n);
+      k2[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc[c] / n);
+    }
+    kernels::BackwardApply(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1, k2, k0,
+                           out.x_backprop.data);
+  } else {
+    kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
+                            out.x_backprop.data, sum_dy, sum_dy_xc);
+  }
+  for (size_t c = 0; c < uc; ++c) {
+    offset_bp[c] = static_cast<U>(sum_dy[c]);
+    scale_bp[c] = static_cast<U>(sum_dy_xc[c] * inv[c]);
+  }
+}
+
+}  // namespace
+
+Status FusedBatchNormGradOutputSpecs(OpVersion version, const FusedBatchNormGradInputs& inputs,
+                                     const FusedBatchNormGradAttrs& attrs,
+                                     TensorSpec specs[kMaxOpOutputs], int* num_outputs) noexcept {
+  return ops::Guarded([&]() -> Status {
+    Status s = ValidateGrad(version, inputs, attrs);
+    if (!s.ok()) return s;
+    const DataType u = inputs.scale.dtype;
+    const Shape vec{ops::ChannelCount(inputs.x.shape, attrs.data_format)};
+    specs[0] = {inputs.x.dtype, inputs.x.shape};
+    specs[1] = specs[2] = {u, vec};
+    specs[3] = specs[4] = {u, Shape{0}};
+    *num_outputs = 5;
+    return Status::Ok();
+  });
+}
+
+Status FusedBatchNormGrad(OpVersion version, const FusedBatchNormGradInputs& inputs,
+                          const FusedBatchNormGradAttrs& attrs,
+                          const FusedBatchNormGradOutputs& outputs) noexcept {
+  return ops::Guarded([&]() -> Status {
+    TensorSpec specs[kMaxOpOutputs];
+    int n = 0;
+    Status s = FusedBatchNormGradOutputSpecs(version, inputs, attrs, specs, &n);
+    if (!s.ok()) return s;
+    const bool v3 = version == OpVersion::kV3;
+    const std::pair<const TensorView*, const char*> outs[] = {
+        {&outputs.x_backprop, "x_backprop"},
+        {&outputs.scale_backprop, "scale_backprop"},
+        {&outputs.offset_backprop, "offset_backprop"},
+        {&outputs.reserve_space_a, v3 ? "reserve_space_4" : "reserve_space_3"},
+        {&outputs.reserve_space_b, v3 ? "reserve_space_5" : "reserve_space_4"}};
+    for (int i = 0; i < n; ++i) {
+      if (!(s = ops::CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
+    }
+    if (specs[1].dtype == DataType::kFloat64) {
+      RunGrad<double>(inputs, attrs, outputs);
+    } else {
+      RunGrad<float>(inputs, attrs, outputs);
+    }
+    return Status::Ok();
+  });
+}
+
+}  // namespace fbn

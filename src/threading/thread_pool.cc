@@ -1,0 +1,174 @@
+#include "threading/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "fbn/threading.h"
+
+namespace fbn::threading {
+namespace {
+
+// Below this much memory traffic one thread finishes before a second could help.
+constexpr int64_t kMinBytesPerExtraThread = 96 * 1024;
+// Spin this many polls before sleeping: keeps back-to-back calls free of futex wake-ups.
+constexpr int kSpinPolls = 20000;
+
+thread_local bool t_inside_pool_task = false;
+
+class Pool {
+ public:
+  explicit Pool(int num_threads) : num_threads_(std::max(1, num_threads)) {
+    for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      stop_ = true;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  int num_threads() const { return num_threads_; }
+
+  // Requires run_mutex_ held by the caller.
+  void Run(int64_t num_tasks, int threads, TaskFn fn, void* context) {
+    fn_ = fn;
+    context_ = context;
+    num_tasks_ = num_tasks;
+    next_task_.store(0, std::memory_order_relaxed);
+    active_workers_.store(threads - 1, std::memory_order_relaxed);
+    pending_.store(threads - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_cv_.notify_all();
+    DrainTasks();
+    // Wait for the workers taking part in this run.
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+      if (spin > kSpinPolls) std::this_thread::yield();
+    }
+  }
+
+  std::mutex run_mutex_;
+
+ private:
+  void DrainTasks() {
+    const bool was_inside = t_inside_pool_task;
+    t_inside_pool_task = true;
+    for (;;) {
+      const int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed);
+      if (t >= num_tasks_) break;
+      fn_(context_, t);
+    }
+    t_inside_pool_task = was_inside;
+  }
+
+  void WorkerLoop(int index) {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      uint64_t now = seen;
+      for (int spin = 0; spin < kSpinPolls; ++spin) {
+        now = generation_.load(std::memory_order_acquire);
+        if (now != seen) break;
+      }
+      if (now == seen) {
+        std::unique_lock<std::mutex> lock(wake_mutex_);
+        wake_cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        now = generation_.load(std::memory_order_acquire);
+      }
+      seen = now;
+      if (stop_) return;
+      if (index > active_workers_.load(std::memory_order_relaxed)) continue;  // this run asked for fewer threads
+      DrainTasks();
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  const int num_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex wake_mutex_;
+  std::condition_variable wake_cv_;
+  std::atomic<uint64_t> generation_{0};
+  bool stop_ = false;
+
+  TaskFn fn_ = nullptr;
+  void* context_ = nullptr;
+  int64_t num_tasks_ = 0;
+  std::atomic<int> active_workers_{0};
+  std::atomic<int64_t> next_task_{0};
+  std::atomic<int> pending_{0};
+};
+
+int DefaultThreadCount() {
+  if (const char* env = std::getenv("FBN_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+std::mutex g_config_mutex;
+std::shared_ptr<Pool> g_pool;  // guarded by g_config_mutex
+int g_num_threads = 0;         // 0: not yet decided
+
+std::shared_ptr<Pool> CurrentPool() {
+  std::lock_guard<std::mutex> lock(g_config_mutex);
+  if (g_num_threads == 0) g_num_threads = DefaultThreadCount();
+  if (!g_pool || g_pool->num_threads() != g_num_threads) {
+    g_pool = std::make_shared<Pool>(g_num_threads);
+  }
+  return g_pool;
+}
+
+}  // namespace
+
+void ParallelForRaw(int64_t num_tasks, int max_threads, TaskFn fn, void* context) {
+  if (num_tasks <= 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_tasks));
+  if (threads > 1 && !t_inside_pool_task) {
+    std::shared_ptr<Pool> pool = CurrentPool();
+    std::unique_lock<std::mutex> lock(pool->run_mutex_, std::try_to_lock);
+    if (lock.owns_lock()) {
+      pool->Run(num_tasks, std::min(threads, pool->num_threads()), fn, context);
+      return;
+    }
+  }
+  const bool was_inside = t_inside_pool_task;
+  t_inside_pool_task = true;
+  for (int64_t t = 0; t < num_tasks; ++t) fn(context, t);
+  t_inside_pool_task = was_inside;
+}
+
+int NumThreads() {
+  std::lock_guard<std::mutex> lock(g_config_mutex);
+  if (g_num_threads == 0) g_num_threads = DefaultThreadCount();
+  return g_num_threads;
+}
+
+int ThreadsForWork(int64_t bytes) {
+  const int n = NumThreads();
+  const int64_t useful = std::max<int64_t>(1, bytes / kMinBytesPerExtraThread);
+  return static_cast<int>(std::min<int64_t>(n, useful));
+}
+
+}  // namespace fbn::threading
+
+namespace fbn {
+
+void SetNumThreads(int n) {
+  std::lock_guard<std::mutex> lock(threading::g_config_mutex);
+  threading::g_num_threads = n > 0 ? n : threading::DefaultThreadCount();
+}
+
+int GetNumThreads() { return threading::NumThreads(); }
+
+}  // namespace fbn
