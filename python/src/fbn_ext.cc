@@ -14,6 +14,9 @@
 
 namespace nb = nanobind;
 
+// The layer, graph and optimizer bindings live in their own translation unit.
+void BindLayers(nb::module_& m);
+
 namespace {
 
 // Python-side exception types; fbn/errors.py re-exports them.
@@ -235,4 +238,6 @@ NB_MODULE(_fbn, m) {
         nb::arg("mean"), nb::arg("mean_type"), nb::arg("variance"), nb::arg("variance_type"),
         nb::arg("offset").none(), nb::arg("offset_type"), nb::arg("scale").none(),
         nb::arg("scale_type"), nb::arg("variance_epsilon"));
+
+  BindLayers(m);
 }
