@@ -1,7 +1,7 @@
 # Warning and sanitizer flags for fbn's own targets only (never CMAKE_CXX_FLAGS). Applied as
 # PRIVATE options, so nothing leaks into the exported targets.
 set(FBN_WARNING_FLAGS -Wall -Wextra -Wshadow -Wnon-virtual-dtor -Wcast-align -Wunused
-    -Woverloaded-virtual -Wnull-dereference -Wdouble-promotion -Wformat=2)
+    -Woverloaded-virtual -Wnull-dereference -Wformat=2)
 if(FBN_WERROR)
   list(APPEND FBN_WARNING_FLAGS -Werror)
 endif()

@@ -73,7 +73,9 @@ class Pool {
   }
 
   void WorkerLoop(int index) {
-    uint64_t seen = generation_.load(std::memory_order_acquire);
+    // Start from the constructor's generation (0), not a fresh load: a Run() may already have
+    // bumped it before this thread got scheduled, and must not be missed.
+    uint64_t seen = 0;
     for (;;) {
       uint64_t now = seen;
       for (int spin = 0; spin < kSpinPolls; ++spin) {

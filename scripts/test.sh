@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every fbn test from a fresh checkout: format check, Release build with warnings as errors
+# and the C++ tests, the same tests under AddressSanitizer+UndefinedBehaviorSanitizer (clang),
+# then `pip install .` and the Python suites (including the conformance tests against the real
+# TensorFlow). Usage: scripts/test.sh [--fast]   (--fast skips the sanitizer build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fast=0
+[ "${1:-}" = "--fast" ] && fast=1
+jobs=$(nproc)
+
+scripts/setup.sh --with-tf
+PY=$PWD/.venv/bin/python
+
+echo "== format check (clang-format-14)"
+git ls-files '*.h' '*.cc' '*.cpp' | xargs clang-format-14 --dry-run -Werror
+
+echo "== Release build (g++, -Werror) and C++ tests"
+cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DFBN_WERROR=ON \
+  -DFBN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" >/dev/null
+cmake --build build/release -j "$jobs"
+ctest --test-dir build/release --output-on-failure -j "$jobs"
+
+if ((!fast)); then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build (clang) and C++ tests"
+  CC=clang-14 CXX=clang++-14 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+    -DFBN_WERROR=ON -DFBN_SANITIZE="address;undefined" -DFBN_BUILD_BENCHMARKS=OFF \
+    -DFBN_BUILD_EXAMPLES=OFF >/dev/null
+  cmake --build build/asan -j "$jobs"
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build/asan --output-on-failure -j "$jobs" -E 'consumer|bench'
+fi
+
+echo "== pip install . and the Python tests"
+.venv/bin/pip install -q --no-build-isolation .
+# Run from tests/ so that the installed package, not the source tree, is imported.
+(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider .)
