@@ -260,4 +260,96 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
   }
 }
 
+namespace {
+
+template <typename U>
+void ForwardCoefficients(int64_t c, double mean, double var, const void* scale, const void* offset,
+                         double eps, void* k_mean, void* k_a, void* k_b) {
+  static_cast<U*>(k_mean)[c] = static_cast<U>(mean);
+  static_cast<U*>(k_a)[c] =
+      static_cast<U>(static_cast<double>(static_cast<const U*>(scale)[c]) / std::sqrt(var + eps));
+  static_cast<U*>(k_b)[c] = static_cast<const U*>(offset)[c];
+}
+
+template <typename U>
+void BackwardCoefficients(int64_t c, double n, double sum_dy, double sum_dy_xc, const double* inv,
+                          const void* k1, void* k2, void* k0) {
+  const double a = static_cast<double>(static_cast<const U*>(k1)[c]);
+  static_cast<U*>(k0)[c] = static_cast<U>(-a * sum_dy / n);
+  static_cast<U*>(k2)[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc / n);
+}
+
+// Channels-first channels that fit one reduction task can be reduced and then rewritten while
+// their data is still in cache.
+bool FusePerChannel(const Geometry& g, double bytes_per_element) {
+  if (g.channels_last) return false;
+  return PartitionRuns(g.c, g.per_channel(), bytes_per_element).pieces == 1;
+}
+
+}  // namespace
+
+void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
+                     const void* offset, double eps, double* mean, double* variance, void* k_mean,
+                     void* k_a, void* k_b, void* y) {
+  const bool wide = dtype == DataType::kFloat64;
+  auto coefficients = wide ? &ForwardCoefficients<double> : &ForwardCoefficients<float>;
+  const size_t es = ElemBytes(dtype);
+  if (!FusePerChannel(g, static_cast<double>(es))) {
+    ComputeStats(dtype, g, x, mean, variance);
+    for (int64_t c = 0; c < g.c; ++c) {
+      coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
+    }
+    Apply(dtype, g, x, k_mean, k_a, k_b, y);
+    return;
+  }
+  const KernelEntry& e = Entry(dtype);
+  const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
+  const int64_t C = g.c, M = g.per_channel();
+  const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
+  threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+    ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
+      double m2 = 0;
+      e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &mean[c], &m2);
+      variance[c] = m2 / static_cast<double>(M);
+      coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
+      for (int64_t n = 0; n < g.n; ++n) {
+        const int64_t f0 = (n * C + c) * g.s;
+        e.apply_flat(x, C, g.s, f0, f0 + g.s, k_mean, k_a, k_b, y);
+      }
+    });
+  });
+}
+
+void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                      const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
+                      double* sum_dy, double* sum_dy_xc, void* dx) {
+  const bool wide = dtype == DataType::kFloat64;
+  auto coefficients = wide ? &BackwardCoefficients<double> : &BackwardCoefficients<float>;
+  const size_t es = ElemBytes(dtype);
+  const double n = static_cast<double>(g.per_channel());
+  if (!FusePerChannel(g, 2.0 * static_cast<double>(es))) {
+    ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
+    for (int64_t c = 0; c < g.c; ++c) {
+      coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
+    }
+    BackwardApply(dtype, g, dy, x, k_mean, k1, k2, k0, dx);
+    return;
+  }
+  const KernelEntry& e = Entry(dtype);
+  const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
+  const int64_t C = g.c, M = g.per_channel();
+  const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
+  threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+    ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
+      e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, k_mean, c, &sum_dy[c], &sum_dy_xc[c],
+                   nullptr, nullptr);
+      coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
+      for (int64_t b = 0; b < g.n; ++b) {
+        const int64_t f0 = (b * C + c) * g.s;
+        e.backward_apply_flat(dy, x, C, g.s, f0, f0 + g.s, k_mean, k1, k2, k0, dx);
+      }
+    });
+  });
+}
+
 }  // namespace fbn::kernels

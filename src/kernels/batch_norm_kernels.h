@@ -30,6 +30,21 @@ struct Geometry {
 // Per-channel statistics of x: mean and biased variance (M2 / count), in double.
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean, double* variance);
 
+// Training forward: statistics, then y = (x - mean)·a + offset with a = scale / sqrt(var + eps).
+// Channels-first channels small enough for one reduction task are normalized right after their
+// statistics, while still in cache (one DRAM read instead of two). scale/offset and the scratch
+// arrays k_mean/k_a/k_b (C each, filled here) are of the accumulation type, as for Apply.
+void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
+                     const void* offset, double eps, double* mean, double* variance, void* k_mean,
+                     void* k_a, void* k_b, void* y);
+
+// Training backward with saved statistics: sums, then dx = k1·dy + k2·(x - m) + k0 where
+// k1 = scale·inv (given), k0 = -k1·Σdy/n, k2 = -k1·inv²·Σdy(x - m)/n (filled here). Fused per
+// channel when a channels-first channel fits one task, like ForwardTraining.
+void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                      const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
+                      double* sum_dy, double* sum_dy_xc, void* dx);
+
 // y = (x - mean[c]) * a[c] + b[c]. `mean`, `a`, `b` are float arrays for 16-bit and float x, double
 // arrays for double x.
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,

@@ -109,15 +109,13 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
   const double eps = static_cast<double>(attrs.epsilon);
 
   if (attrs.is_training) {
-    kernels::ComputeStats(in.x.dtype, g, in.x.data, mean_d, var_d);
+    kernels::ForwardTraining(in.x.dtype, g, in.x.data, scale, offset, eps, mean_d, var_d, k_mean,
+                             k_a, k_b, out.y.data);
     const double n = static_cast<double>(g.per_channel());
     const double bessel = n / std::max(n - 1.0, 1.0);
     const double f = static_cast<double>(attrs.exponential_avg_factor);
     const bool blend = attrs.exponential_avg_factor != 1.0f;
     for (size_t c = 0; c < uc; ++c) {
-      k_mean[c] = static_cast<U>(mean_d[c]);
-      k_a[c] = static_cast<U>(static_cast<double>(scale[c]) / std::sqrt(var_d[c] + eps));
-      k_b[c] = offset[c];
       const double unbiased = var_d[c] * bessel;
       if (blend) {
         batch_mean[c] =
@@ -130,6 +128,7 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
       rs1[c] = static_cast<U>(mean_d[c]);
       rs2[c] = static_cast<U>(var_d[c]);
     }
+    return;
   } else {
     for (size_t c = 0; c < uc; ++c) {
       k_mean[c] = old_mean[c];
@@ -141,8 +140,8 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
       batch_mean[c] = rs1[c] = m;
       batch_var[c] = rs2[c] = v;
     }
+    kernels::Apply(in.x.dtype, g, in.x.data, k_mean, k_a, k_b, out.y.data);
   }
-  kernels::Apply(in.x.dtype, g, in.x.data, k_mean, k_a, k_b, out.y.data);
 }
 
 }  // namespace

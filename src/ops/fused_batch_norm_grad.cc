@@ -117,16 +117,8 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
     k1[c] = static_cast<U>(static_cast<double>(scale[c]) * inv[c]);
   }
   if (attrs.is_training) {
-    kernels::BackwardReduce(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, sum_dy,
-                            sum_dy_xc);
-    const double n = static_cast<double>(g.per_channel());
-    for (size_t c = 0; c < uc; ++c) {
-      const double a = static_cast<double>(scale[c]) * inv[c];
-      k0[c] = static_cast<U>(-a * sum_dy[c] / n);
-      k2[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc[c] / n);
-    }
-    kernels::BackwardApply(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1, k2, k0,
-                           out.x_backprop.data);
+    kernels::BackwardTraining(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, inv, k1, k2,
+                              k0, sum_dy, sum_dy_xc, out.x_backprop.data);
   } else {
     kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
                             out.x_backprop.data, sum_dy, sum_dy_xc);
