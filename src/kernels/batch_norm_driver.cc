@@ -14,6 +14,9 @@ namespace {
 // A reduction task reads about this much of each input; the partition depends only on the shape
 // and element size, never on the thread count, which keeps results bit-identical.
 constexpr double kReduceTaskBytes = 256.0 * 1024;
+// A channels-first channel up to this size is one task, reduced and then rewritten while it is
+// still in the core's L2 (or L3): the fused paths read it from DRAM once.
+constexpr double kChannelTaskBytes = 2.0 * 1024 * 1024;
 constexpr int64_t kMaxReduceTasks = 64;
 // An element-wise task writes about this much.
 constexpr double kApplyTaskBytes = 64.0 * 1024;
@@ -63,7 +66,10 @@ struct RunPartition {
 RunPartition PartitionRuns(int64_t channels, int64_t per_channel, double elem_bytes) {
   RunPartition p;
   const double channel_bytes = static_cast<double>(per_channel) * elem_bytes;
-  p.pieces = ClampTasks(channel_bytes / kReduceTaskBytes, std::min<int64_t>(per_channel, kMaxReduceTasks));
+  p.pieces = channel_bytes <= kChannelTaskBytes
+                 ? 1
+                 : ClampTasks(channel_bytes / kReduceTaskBytes,
+                              std::min<int64_t>(per_channel, kMaxReduceTasks));
   p.piece_len = CeilDiv(per_channel, p.pieces);
   p.pieces = CeilDiv(per_channel, p.piece_len);
   if (p.pieces == 1) {
@@ -186,12 +192,13 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const int64_t rows = g.n * g.s;
     const RowPartition p =
         PartitionRows(rows, 2.0 * static_cast<double>(C) * static_cast<double>(es));
-    const size_t slot = static_cast<size_t>(2 * C);
+    const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
     threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
       double* s = partial + slot * static_cast<size_t>(t);
       const int64_t r0 = t * p.rows_per_task;
-      e.reduce_rows(dy, x, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx);
+      e.reduce_rows(dy, x, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx,
+                    s + 2 * C);
     });
     for (int64_t c = 0; c < C; ++c) {
       double s0 = 0, s1 = 0;

@@ -100,7 +100,8 @@ constexpr int64_t kRunBlock = 4096;  // elements per block of a channels-first r
 // Stats.
 
 // Channels-last: statistics of rows [r0, r1) for all channels. `mean`/`m2` receive this range's
-// per-channel mean and centred sum of squares; `tmp` holds 2·C accumulators.
+// per-channel mean and centred sum of squares; `tmp` holds 2·C accumulators. Both passes walk the
+// block row by row (contiguous reads; per-channel accumulators stay in L1), the second from cache.
 template <typename T>
 void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
                void* tmpv) {
@@ -111,50 +112,35 @@ void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, 
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t block = BlockRows(C, sizeof(T));
+  const int64_t cv = C - C % N;  // channels covered by whole vectors
   double count = 0;
   for (int64_t c = 0; c < C; ++c) mean[c] = m2[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
     const A nb = static_cast<A>(b1 - b0);
+    for (int64_t c = 0; c < C; ++c) bmean[c] = bm2[c] = A(0);
+    for (int64_t r = b0; r < b1; ++r) {
+      const T* xr = x + r * C;
+      for (int64_t c = 0; c < cv; c += N) {
+        hn::StoreU(hn::Add(hn::LoadU(d, bmean + c), LoadAcc(d, xr + c)), d, bmean + c);
+      }
+      for (int64_t c = cv; c < C; ++c) bmean[c] += ToAcc(xr[c]);
+    }
     const auto vinv = hn::Set(d, A(1) / nb);
-    int64_t c = 0;
-    for (; c + N <= C; c += N) {
-      auto s0 = hn::Zero(d), s1 = hn::Zero(d);
-      int64_t r = b0;
-      for (; r + 2 <= b1; r += 2) {
-        s0 = hn::Add(s0, LoadAcc(d, x + r * C + c));
-        s1 = hn::Add(s1, LoadAcc(d, x + (r + 1) * C + c));
+    for (int64_t c = 0; c < cv; c += N) hn::StoreU(hn::Mul(hn::LoadU(d, bmean + c), vinv), d, bmean + c);
+    for (int64_t c = cv; c < C; ++c) bmean[c] /= nb;
+    for (int64_t r = b0; r < b1; ++r) {
+      const T* xr = x + r * C;
+      for (int64_t c = 0; c < cv; c += N) {
+        const auto dv = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, bmean + c));
+        hn::StoreU(hn::MulAdd(dv, dv, hn::LoadU(d, bm2 + c)), d, bm2 + c);
       }
-      if (r < b1) s0 = hn::Add(s0, LoadAcc(d, x + r * C + c));
-      const auto m = hn::Mul(hn::Add(s0, s1), vinv);
-      auto q0 = hn::Zero(d), q1 = hn::Zero(d);
-      r = b0;
-      for (; r + 2 <= b1; r += 2) {
-        const auto d0 = hn::Sub(LoadAcc(d, x + r * C + c), m);
-        const auto d1 = hn::Sub(LoadAcc(d, x + (r + 1) * C + c), m);
-        q0 = hn::MulAdd(d0, d0, q0);
-        q1 = hn::MulAdd(d1, d1, q1);
+      for (int64_t c = cv; c < C; ++c) {
+        const A dd = ToAcc(xr[c]) - bmean[c];
+        bm2[c] += dd * dd;
       }
-      if (r < b1) {
-        const auto d0 = hn::Sub(LoadAcc(d, x + r * C + c), m);
-        q0 = hn::MulAdd(d0, d0, q0);
-      }
-      hn::StoreU(m, d, bmean + c);
-      hn::StoreU(hn::Add(q0, q1), d, bm2 + c);
     }
-    for (; c < C; ++c) {
-      A s = 0;
-      for (int64_t r = b0; r < b1; ++r) s += ToAcc(x[r * C + c]);
-      const A m = s / nb;
-      A q = 0;
-      for (int64_t r = b0; r < b1; ++r) {
-        const A dd = ToAcc(x[r * C + c]) - m;
-        q += dd * dd;
-      }
-      bmean[c] = m;
-      bm2[c] = q;
-    }
-    for (c = 0; c < C; ++c) {
+    for (int64_t c = 0; c < C; ++c) {
       double cnt = count;
       ChanMerge(cnt, mean[c], m2[c], static_cast<double>(nb), static_cast<double>(bmean[c]),
                 static_cast<double>(bm2[c]));
@@ -279,56 +265,46 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 // Backward reductions: Σdy and Σdy·(x - m). With `k1` non-null (frozen backward), also writes
 // dx = k1·dy in the same sweep.
 
+// Channels-last rows [r0, r1), row by row; block sums accumulate in `tmp` (2·C accumulators) and
+// are added to the double sums once per block.
 template <typename T>
 void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv,
-                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv) {
+                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv, void* tmpv) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
   const A* mean = static_cast<const A*>(mv);
   const A* k1 = static_cast<const A*>(k1v);
   T* dx = static_cast<T*>(dxv);
+  A* s = static_cast<A*>(tmpv);
+  A* t = s + C;
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t block = BlockRows(2 * C, sizeof(T));
-  HWY_ALIGN A lanes[hn::MaxLanes(d)];
+  const int64_t cv = C - C % N;
   for (int64_t c = 0; c < C; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
-    int64_t c = 0;
-    for (; c + N <= C; c += N) {
-      const auto vm = hn::LoadU(d, mean + c);
-      auto s = hn::Zero(d), t = hn::Zero(d);
-      if (k1) {
-        const auto vk = hn::LoadU(d, k1 + c);
-        for (int64_t r = b0; r < b1; ++r) {
-          const auto g = LoadAcc(d, dy + r * C + c);
-          s = hn::Add(s, g);
-          t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + r * C + c), vm), t);
-          StoreAcc(d, hn::Mul(g, vk), dx + r * C + c);
-        }
-      } else {
-        for (int64_t r = b0; r < b1; ++r) {
-          const auto g = LoadAcc(d, dy + r * C + c);
-          s = hn::Add(s, g);
-          t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + r * C + c), vm), t);
-        }
+    for (int64_t c = 0; c < C; ++c) s[c] = t[c] = A(0);
+    for (int64_t r = b0; r < b1; ++r) {
+      const int64_t o = r * C;
+      for (int64_t c = 0; c < cv; c += N) {
+        const auto g = LoadAcc(d, dy + o + c);
+        const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
+        hn::StoreU(hn::Add(hn::LoadU(d, s + c), g), d, s + c);
+        hn::StoreU(hn::MulAdd(g, xc, hn::LoadU(d, t + c)), d, t + c);
+        if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c);
       }
-      hn::Store(s, d, lanes);
-      for (int64_t i = 0; i < N; ++i) sum_dy[c + i] += static_cast<double>(lanes[i]);
-      hn::Store(t, d, lanes);
-      for (int64_t i = 0; i < N; ++i) sum_dy_xc[c + i] += static_cast<double>(lanes[i]);
+      for (int64_t c = cv; c < C; ++c) {
+        const A g = ToAcc(dy[o + c]);
+        s[c] += g;
+        t[c] += g * (ToAcc(x[o + c]) - mean[c]);
+        if (k1) dx[o + c] = FromAcc<T>(g * k1[c]);
+      }
     }
-    for (; c < C; ++c) {
-      A s = 0, t = 0;
-      for (int64_t r = b0; r < b1; ++r) {
-        const A g = ToAcc(dy[r * C + c]);
-        s += g;
-        t += g * (ToAcc(x[r * C + c]) - mean[c]);
-        if (k1) dx[r * C + c] = FromAcc<T>(g * k1[c]);
-      }
-      sum_dy[c] += static_cast<double>(s);
-      sum_dy_xc[c] += static_cast<double>(t);
+    for (int64_t c = 0; c < C; ++c) {
+      sum_dy[c] += static_cast<double>(s[c]);
+      sum_dy_xc[c] += static_cast<double>(t[c]);
     }
   }
 }
