@@ -84,8 +84,7 @@ enum class LayerBehavior {
   // fallback; `trainable` only decides which collections the variables join.
   kV1,
   // tf.keras.layers.BatchNormalization (V2): fused=True raises where it cannot be used;
-  // trainable=false makes every call an inference call; with a runtime training flag, ghost
-  // batching is off (TensorFlow's [-1, 1] reshape).
+  // trainable=false makes every call an inference call.
   kKerasV2,
 };
 
@@ -171,8 +170,9 @@ class FBN_API BatchNormalization {
   std::vector<std::shared_ptr<Variable>> non_trainable_variables() const;
   // One loss per regularized variable this layer created (a reusing layer creates none).
   std::vector<std::shared_ptr<RegularizationLoss>> losses() const;
-  // Update ops of every graph-mode training call so far, two per call. Eager calls apply their
-  // updates at once and add none.
+  // Update ops of every graph-mode training call so far, two per call; none while the layer is
+  // not trainable (as Keras: a frozen layer's updates never reach UPDATE_OPS). Eager calls apply
+  // their updates at once and add none.
   std::vector<std::shared_ptr<UpdateOp>> updates() const;
 
  private:

@@ -132,7 +132,9 @@ std::vector<double> ToDouble(const std::vector<T>& v) {
 template <typename T>
 void MovingAverage(Variable* var, const std::vector<double>& value, double momentum) {
   Tensor& t = var->mutable_value();
-  const T decay = static_cast<T>(1.0 - momentum);
+  // TensorFlow makes `1 - momentum` a float32 tensor first, then casts it to the variable dtype.
+  const float decay32 = static_cast<float>(1.0 - momentum);
+  const T decay = static_cast<T>(decay32);
   for (int64_t i = 0; i < t.num_elements(); ++i) {
     const T v = static_cast<T>(t.Get(i));
     const T delta = (v - static_cast<T>(value[static_cast<size_t>(i)])) * decay;
@@ -407,8 +409,9 @@ void BatchNormalization::Impl::CheckInputSpec(const Shape& shape) const {
 int64_t BatchNormalization::Impl::Groups(const Shape& shape, bool training_now,
                                          bool dynamic) const {
   if (!opt.virtual_batch_size) return 1;
-  // Keras V2 reshapes to [-1, 1, ...] unless training is statically true: one virtual batch.
-  if (opt.behavior == LayerBehavior::kKerasV2 && (dynamic || !training_now)) return 1;
+  // With TensorFlow 2 behaviour (on by default, also in tf.compat.v1 graphs), the reshape is
+  // [-1, 1, ...] unless training is statically true: one virtual batch, no divisibility check.
+  if (dynamic || !training_now) return 1;
   const int64_t vbs = *opt.virtual_batch_size;
   const int64_t n = shape.dim(0);
   if (n % vbs != 0) {
@@ -734,7 +737,7 @@ Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& t
   // Nothing has been written so far; now the updates are applied (eager) or recorded (graph).
   if (graph) {
     m.updates.insert(m.updates.end(), ops.begin(), ops.end());
-    for (const auto& op : m.updates) graph->AddToCollectionUnique(GraphKeys::kUpdateOps, op);
+    for (const auto& op : updates()) graph->AddToCollectionUnique(GraphKeys::kUpdateOps, op);
   } else {
     RunUpdateOps(ops);
   }
@@ -832,7 +835,9 @@ std::vector<std::shared_ptr<RegularizationLoss>> BatchNormalization::losses() co
 }
 
 std::vector<std::shared_ptr<UpdateOp>> BatchNormalization::updates() const {
-  return impl_->updates;
+  // Keras collects no updates from a non-trainable layer: in a graph, a frozen layer's moving
+  // statistics never reach UPDATE_OPS.
+  return impl_->trainable ? impl_->updates : std::vector<std::shared_ptr<UpdateOp>>{};
 }
 
 Tensor ApplyBatchNormalization(const ConstTensorView& inputs,

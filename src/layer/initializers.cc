@@ -296,7 +296,7 @@ Tensor Regularizer::Gradient(const Tensor& value) const {
 Regularizer Regularizer::L1L2(double l1, double l2) {
   // Keras casts the factors to float32 (floatx) and sums in the variable's dtype; fbn sums in
   // double, which differs from a float32 sum only in the last bits.
-  const double f1 = static_cast<float>(l1), f2 = static_cast<float>(l2);
+  const float f1 = static_cast<float>(l1), f2 = static_cast<float>(l2);
   return Regularizer(
       [f1, f2](const Tensor& w) {
         double s1 = 0.0, s2 = 0.0;
@@ -306,8 +306,8 @@ Regularizer Regularizer::L1L2(double l1, double l2) {
           s2 += v * v;
         }
         double loss = 0.0;
-        if (f1 != 0.0) loss += f1 * s1;
-        if (f2 != 0.0) loss += f2 * s2;
+        if (f1 != 0.0f) loss += double(f1) * s1;
+        if (f2 != 0.0f) loss += double(f2) * s2;
         return loss;
       },
       [f1, f2](const Tensor& w) {
@@ -315,7 +315,7 @@ Regularizer Regularizer::L1L2(double l1, double l2) {
         for (int64_t i = 0; i < w.num_elements(); ++i) {
           const double v = w.Get(i);
           const double sign = v > 0.0 ? 1.0 : (v < 0.0 ? -1.0 : 0.0);
-          g.Set(i, f1 * sign + 2.0 * f2 * v);
+          g.Set(i, double(f1) * sign + 2.0 * double(f2) * v);
         }
         return g;
       },
