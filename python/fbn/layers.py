@@ -152,13 +152,17 @@ def _layer_args(axis, momentum, epsilon, center, scale, beta_initializer, gamma_
                 moving_mean_initializer, moving_variance_initializer, beta_regularizer,
                 gamma_regularizer, beta_constraint, gamma_constraint, renorm, renorm_clipping,
                 renorm_momentum, fused, trainable, virtual_batch_size, adjustment, name, keras_v2):
+    # Errors TensorFlow raises after naming the layer are deferred (returned) so that the layer
+    # is created first and takes its name, as there.
+    error = None
     if isinstance(axis, (list, tuple)):
         axis = [int(a) for a in axis]
     elif isinstance(axis, (int, np.integer)) and not isinstance(axis, bool):
         axis = [int(axis)]
     else:
-        raise TypeError("Expected an int or a list/tuple of ints for the argument 'axis', but "
-                        f"received: {axis!r}")
+        error = TypeError("Expected an int or a list/tuple of ints for the argument 'axis', but "
+                          f"received: {axis!r}")
+        axis = [-1]
     a = _fbn._LayerArgs()
     a.axis = axis
     a.momentum = float(momentum)
@@ -179,9 +183,9 @@ def _layer_args(axis, momentum, epsilon, center, scale, beta_initializer, gamma_
     if renorm:
         clipping = dict(renorm_clipping or {})
         keys = ["rmax", "rmin", "dmax"]
-        if set(clipping) - set(keys):
-            raise ValueError("Received invalid keys for `renorm_clipping` argument: "
-                             f"{renorm_clipping}. Supported values: {keys}.")
+        if set(clipping) - set(keys) and error is None:
+            error = ValueError("Received invalid keys for `renorm_clipping` argument: "
+                               f"{renorm_clipping}. Supported values: {keys}.")
         for key in keys:
             if clipping.get(key) is not None:
                 setattr(a, key, float(clipping[key]))
@@ -197,7 +201,7 @@ def _layer_args(axis, momentum, epsilon, center, scale, beta_initializer, gamma_
         a.adjustment = adjustment
     a.name = "" if name is None else str(name)
     a.keras_v2 = keras_v2
-    return a
+    return a, error
 
 
 class BatchNormalization:
@@ -216,16 +220,18 @@ class BatchNormalization:
                  trainable=True, virtual_batch_size=None, adjustment=None, name=None, **kwargs):
         for key in kwargs:
             raise TypeError(f"Keyword argument not understood: {key}")
-        args = _layer_args(axis, momentum, epsilon, center, scale, beta_initializer,
-                           gamma_initializer, moving_mean_initializer,
-                           moving_variance_initializer, beta_regularizer, gamma_regularizer,
-                           beta_constraint, gamma_constraint, renorm, renorm_clipping,
-                           renorm_momentum, fused, trainable, virtual_batch_size, adjustment,
-                           name, self._KERAS_V2)
-        self._set_config(locals(), args)
+        args, error = _layer_args(axis, momentum, epsilon, center, scale, beta_initializer,
+                                  gamma_initializer, moving_mean_initializer,
+                                  moving_variance_initializer, beta_regularizer,
+                                  gamma_regularizer, beta_constraint, gamma_constraint, renorm,
+                                  renorm_clipping, renorm_momentum, fused, trainable,
+                                  virtual_batch_size, adjustment, name, self._KERAS_V2)
         self._layer = _fbn.BatchNormalizationLayer(args)
+        if error is not None:
+            raise error
+        self._set_config(locals())
 
-    def _set_config(self, values, args):
+    def _set_config(self, values):
         self._axis_arg = values["axis"]
         self.momentum = values["momentum"]
         self.epsilon = values["epsilon"]
@@ -245,14 +251,6 @@ class BatchNormalization:
             self.renorm_momentum = values["renorm_momentum"]
         self.virtual_batch_size = values["virtual_batch_size"]
         self.adjustment = values["adjustment"]
-        del args
-
-    @classmethod
-    def _wrap(cls, layer, config):
-        self = cls.__new__(cls)
-        self._set_config(config, None)
-        self._layer = layer
-        return self
 
     # --- calling
 
@@ -381,11 +379,15 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
     default ``fbn.Graph`` (ValueError otherwise: use ``BatchNormalization`` eagerly). ``name`` is
     the variable scope as given; ``reuse=True`` (or a reusing ``variable_scope``) shares the
     variables of an earlier call."""
-    args = _layer_args(axis, momentum, epsilon, center, scale, beta_initializer,
-                       gamma_initializer, moving_mean_initializer, moving_variance_initializer,
-                       beta_regularizer, gamma_regularizer, beta_constraint, gamma_constraint,
-                       renorm, renorm_clipping, renorm_momentum, fused, trainable,
-                       virtual_batch_size, adjustment, name, False)
+    args, error = _layer_args(axis, momentum, epsilon, center, scale, beta_initializer,
+                              gamma_initializer, moving_mean_initializer,
+                              moving_variance_initializer, beta_regularizer, gamma_regularizer,
+                              beta_constraint, gamma_constraint, renorm, renorm_clipping,
+                              renorm_momentum, fused, trainable, virtual_batch_size, adjustment,
+                              name, False)
+    if error is not None:
+        _fbn.BatchNormalizationLayer(args)  # takes its name first, as TensorFlow's layer does
+        raise error
     x, code = as_input(inputs, "inputs")
     y, _ = _fbn.apply_batch_normalization(x, code, args, _training(training),
                                           None if reuse is None else bool(reuse))

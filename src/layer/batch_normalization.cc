@@ -668,15 +668,6 @@ Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& t
   }
 
   const Shape& shape = inputs.shape;
-  std::optional<Impl::Plan> plan;
-  if (!m.built) {
-    plan = m.MakePlan(shape, inputs.dtype);
-  } else {
-    m.CheckInputSpec(shape);
-  }
-  // A batch the virtual batch size does not divide is an error before anything is created.
-  if (m.opt.virtual_batch_size) (void)m.Groups(shape, training_now, dynamic);
-
   // Scopes (graph mode): capture at the first call, re-enter at each call, as base.Layer does.
   std::string scope_name;
   if (graph) {
@@ -691,13 +682,23 @@ Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& t
     }
     graph->EnterCapturedScope(*m.scope, (m.built || m.reuse) ? Reuse::kReuse : Reuse::kInherit);
     scope_name = m.scope->name;
-  } else if (!m.built) {
+  } else if (m.eager_scope.empty()) {
     m.eager_scope = m.opt.name.empty() ? EagerUnique(kBaseName, /*zero_based=*/true) : m.opt.name;
   }
   Tensor y;
   Impl::Record rec;
   std::vector<std::shared_ptr<UpdateOp>> ops;
   try {
+    // Validation after the scope is taken (TensorFlow builds inside it), before anything is
+    // created or written.
+    std::optional<Impl::Plan> plan;
+    if (!m.built) {
+      plan = m.MakePlan(shape, inputs.dtype);
+    } else {
+      m.CheckInputSpec(shape);
+    }
+    // A batch the virtual batch size does not divide fails before anything is created.
+    if (m.opt.virtual_batch_size) (void)m.Groups(shape, training_now, dynamic);
     if (!m.built) {
       m.graph = graph;
       try {
