@@ -314,7 +314,8 @@ void BindLayers(nb::module_& m) {
                           nb::handle w) { return r.Loss(ToTensor(w, fbn::DataType::kFloat64)); })
       .def_static("get", &fbn::Regularizer::Get)
       .def_static("l1_l2", &fbn::Regularizer::L1L2)
-      .def_static("from_callable", &RegularizerFromCallable);
+      .def_static("from_callable", &RegularizerFromCallable, nb::arg("fn"),
+                  nb::arg("gradient").none(), nb::arg("name"));
   nb::class_<fbn::Constraint>(m, "Constraint")
       .def_prop_ro("name", &fbn::Constraint::name)
       .def("__call__",
