@@ -138,6 +138,14 @@ def _constraint(value):
     raise ValueError(f"Could not interpret constraint identifier: {value!r}")
 
 
+def _as_input(value, name):
+    arr, code = as_input(value, name)
+    # np.ascontiguousarray makes 0-d arrays 1-d: keep a scalar a scalar (rank 0 is an error).
+    if np.ndim(value) == 0:
+        arr = arr.reshape(())
+    return arr, code
+
+
 def _training(training):
     if isinstance(training, _fbn.TrainingFlag):
         return training
@@ -255,7 +263,7 @@ class BatchNormalization:
     # --- calling
 
     def __call__(self, inputs, training=False):
-        x, code = as_input(inputs, "inputs")
+        x, code = _as_input(inputs, "inputs")
         y = self._layer.call(x, code, _training(training))
         return y
 
@@ -266,7 +274,7 @@ class BatchNormalization:
         """Gradients of the last call's output for the output gradient ``dy``: ``(dx, grads)``
         with ``grads`` aligned with ``variables`` (default: ``trainable_variables``); a variable
         the output does not depend on (the moving statistics) gets None."""
-        d, code = as_input(dy, "dy")
+        d, code = _as_input(dy, "dy")
         dx, dgamma, dbeta = self._layer.backward(d, code)
         if variables is None:
             variables = self.trainable_variables
@@ -388,7 +396,7 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
     if error is not None:
         _fbn.BatchNormalizationLayer(args)  # takes its name first, as TensorFlow's layer does
         raise error
-    x, code = as_input(inputs, "inputs")
+    x, code = _as_input(inputs, "inputs")
     y, _ = _fbn.apply_batch_normalization(x, code, args, _training(training),
                                           None if reuse is None else bool(reuse))
     return y
