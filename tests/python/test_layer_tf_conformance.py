@@ -25,7 +25,7 @@ tf = pytest.importorskip("tensorflow")
 pytest.importorskip("tf_keras")
 tf1 = tf.compat.v1
 
-NUM_CONFIGS = 160
+NUM_CONFIGS = 200
 STEPS = 3
 
 _DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
@@ -40,14 +40,12 @@ def random_config(seed):
     rank = rng.choice([2, 3, 4, 4, 4, 5, 5])
     batch = rng.choice([2, 4, 6, 8])
     shape = [batch] + [rng.randint(1, 4) for _ in range(rank - 1)]
-    if rng.random() < 0.6:
-        axis_kind = "single"
-        if rank in (4, 5) and rng.random() < 0.6:
+    if rng.random() < 0.65:
+        if rank in (4, 5) and rng.random() < 0.85:
             axis = rng.choice([1, rank - 1, -1, -rank + 1])  # channel axis: fused eligible
         else:
             axis = rng.randrange(-rank, rank)
     else:
-        axis_kind = "multi"
         k = rng.randint(2, max(2, rank - 1))
         axis = sorted(rng.sample(range(rank), k))
         if rng.random() < 0.3:
@@ -78,9 +76,11 @@ def random_config(seed):
         cfg["renorm_clipping"] = clip if clip or rng.random() < 0.5 else None
     axes = [axis] if isinstance(axis, int) else axis
     norm_axes = [a % rank for a in axes]
-    if 0 not in norm_axes and rng.random() < 0.25:
+    if 0 not in norm_axes and rng.random() < 0.2:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         cfg["virtual_batch_size"] = rng.choice(divisors)
+        if rng.random() < 0.7:
+            cfg["training"] = True  # ghost batches exist only for a static training=True
     elif rng.random() < 0.2:
         cfg["adjustment"] = rng.choice(["param", "full", "last"])
     if rng.random() < 0.2:
@@ -270,6 +270,47 @@ def compare(cfg):
         for name in r["stats"]:
             _close(g["stats"][name], r["stats"][name], max(stat_tol, tol / 4),
                    f"step {k} {name}")
+
+
+def test_configurations_cover_every_parameter():
+    counts = {}
+
+    def count(key, cond=True):
+        counts[key] = counts.get(key, 0) + bool(cond)
+
+    for seed in range(NUM_CONFIGS):
+        cfg = random_config(seed)
+        rank = len(cfg["shape"])
+        axes = [cfg["axis"]] if isinstance(cfg["axis"], int) else cfg["axis"]
+        for r in (2, 3, 4, 5):
+            count(f"rank{r}", rank == r)
+        for dt in _DTYPES:
+            count(dt, cfg["dtype"] == dt)
+        count("multi-axis", len(axes) > 1)
+        count("negative axis", any(a < 0 for a in axes))
+        for fused in (None, True, False):
+            count(f"fused={fused}", cfg["fused"] is fused)
+        for training in (True, False, "flag"):
+            count(f"training={training}", cfg["training"] == training)
+        fusable = (rank in (4, 5) and len(axes) == 1 and axes[0] % rank in (1, rank - 1) and
+                   not cfg["renorm"] and not cfg["virtual_batch_size"] and
+                   not cfg["adjustment"] and cfg["dtype"] != "float64" and
+                   cfg["fused"] is not False)
+        count("fused path", fusable)
+        count("fused path, runtime flag", fusable and cfg["training"] == "flag")
+        count("fused path, 16-bit", fusable and cfg["dtype"] in ("float16", "bfloat16"))
+        count("renorm with clipping", cfg["renorm"] and cfg["renorm_clipping"])
+        count("ghost batches", cfg["virtual_batch_size"] and cfg["training"] is True and
+              cfg["virtual_batch_size"] < cfg["shape"][0])
+        count("adjustment while training", cfg["adjustment"] and cfg["training"] is not False)
+        count("trainable=False", not cfg["trainable"])
+        count("center=False", not cfg["center"])
+        count("scale=False", not cfg["scale"])
+        count("regularizers", cfg["gamma_regularizer"] or cfg["beta_regularizer"])
+        count("momentum", cfg["momentum"] != 0.99)
+        count("epsilon", cfg["epsilon"] != 1e-3)
+    thin = {k: v for k, v in counts.items() if v < 4}
+    assert not thin, thin
 
 
 @pytest.mark.parametrize("seed", range(NUM_CONFIGS))

@@ -121,6 +121,7 @@ def s_unnamed_calls(api, record):
     api.bn(x, training=True)
     api.bn(x)
     api.bn(x, training=api.flag())
+    api.bn(x, training=None)  # the learning phase: a runtime flag
 
 
 def s_named_twice_without_reuse(api, record):
@@ -217,3 +218,22 @@ def test_graph_behaviour_matches_tensorflow(scenario):
 def test_functional_form_without_graph_raises_value_error():
     with pytest.raises(ValueError, match="BatchNormalization"):
         fbn.layers.batch_normalization(np.ones((2, 3), np.float32), training=True)
+
+
+def _signature(fn):
+    import inspect
+    params = inspect.signature(fn).parameters.values()
+    # Initializer defaults are objects of each library; their kinds are compared by name.
+    return [(p.name, p.kind, type(p.default).__name__ if "initializer" in p.name else p.default)
+            for p in params]
+
+
+def test_keyword_arguments_and_defaults_match_tensorflow():
+    assert _signature(fbn.layers.batch_normalization) == \
+        [(n, k, d.replace("Zeros", "Initializer").replace("Ones", "Initializer")
+          if isinstance(d, str) else d)
+         for n, k, d in _signature(tf1.layers.batch_normalization)]
+    tf_init = _signature(tf1.layers.BatchNormalization.__init__)
+    ours = _signature(fbn.layers.BatchNormalization.__init__)
+    assert ours == [(n, k, d.replace("Zeros", "Initializer").replace("Ones", "Initializer")
+                     if isinstance(d, str) else d) for n, k, d in tf_init]
