@@ -250,3 +250,26 @@ def test_error_texts():
             pass
     with pytest.raises(TypeError, match="Keyword argument not understood"):
         BN(dtype="float32")
+
+
+def test_graph_get_variable_scopes_and_collections():
+    g = fbn.Graph()
+    with g.as_default():
+        with fbn.variable_scope("a") as scope:
+            v = g.get_variable("w", [2, 3], initializer="ones")
+            assert (v.name, v.shape, v.dtype) == ("a/w:0", (2, 3), "float32")
+        with fbn.variable_scope(scope, reuse=True):
+            assert g.get_variable("w", [2, 3]).name == "a/w:0"
+            with pytest.raises(ValueError, match="but specified shape"):
+                g.get_variable("w", [3, 2])
+        with pytest.raises(ValueError, match="already exists, disallowed"):
+            with fbn.variable_scope("a"):
+                g.get_variable("w", [2, 3])
+        with fbn.variable_scope("b", reuse=fbn.graph.AUTO_REUSE):
+            z = g.get_variable("z", [1], dtype=np.float64, initializer=lambda s, d: np.full(s, 3.))
+            assert g.get_variable("z", [1], dtype=np.float64).numpy().tolist() == [3.0]
+            assert z.dtype == "float64"
+        assert [x.name for x in g.get_collection(fbn.GraphKeys.GLOBAL_VARIABLES, "a/")] == \
+            ["a/w:0"]
+        assert len(g.trainable_variables()) == 2
+    assert fbn.graph.get_default_graph() is None
