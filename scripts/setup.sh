@@ -34,8 +34,11 @@ fi
 pip_packages=(numpy ml_dtypes pytest "nanobind>=2.0" "scikit-build-core>=0.10" matplotlib scikit-learn)
 ((with_tf)) && pip_packages+=(tensorflow-cpu)
 if ! .venv/bin/python -c "import numpy, ml_dtypes, pytest, nanobind, scikit_build_core, matplotlib, sklearn" 2>/dev/null ||
-   { ((with_tf)) && ! .venv/bin/python -c "import tensorflow" 2>/dev/null; }; then
+   { ((with_tf)) && ! .venv/bin/python -c "import tensorflow, tf_keras" 2>/dev/null; }; then
   echo "== pip install ${pip_packages[*]}"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "${pip_packages[@]}"
+  # tf.compat.v1.layers lives in tf-keras; --no-deps because it asks for the full `tensorflow`
+  # package, which tensorflow-cpu already provides.
+  ((with_tf)) && .venv/bin/pip install -q --no-deps "tf-keras~=2.21.0"
 fi

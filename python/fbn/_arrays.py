@@ -31,7 +31,7 @@ def as_input(value, name, default_dtype=np.float32):
     if code is None:
         raise TypeError(
             f"{name} must be a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}")
-    arr = np.ascontiguousarray(arr)
+    arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
     if arr.dtype.itemsize == 2:
         arr = arr.view(np.uint16)
     return arr, code
