@@ -50,7 +50,7 @@ def _grad(version, y_backprop, x, scale, reserve_space_1, reserve_space_2, reser
     r1, r1t = as_input(reserve_space_1, "reserve_space_1")
     r2, r2t = as_input(reserve_space_2, "reserve_space_2")
     if reserve_space_3 is None:
-        r3, r3t = np.zeros((0,), np.float32), r1t
+        r3, r3t = np.zeros((0,), r1.dtype), r1t
     else:
         r3, r3t = as_input(reserve_space_3, "reserve_space_3")
     outs = _fbn.fused_batch_norm_grad(version, da, xa, xt, sa, st, r1, r1t, r2, r2t, r3, r3t,

@@ -107,7 +107,7 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, static_cast<double>(C) * static_cast<double>(es));
-    const size_t slot = static_cast<size_t>(4 * C);  // mean, m2, 2·C scratch accumulators
+    const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
     threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
       double* s = partial + slot * static_cast<size_t>(t);

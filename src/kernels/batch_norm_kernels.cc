@@ -99,16 +99,28 @@ constexpr int64_t kRunBlock = 4096;  // elements per block of a channels-first r
 // ------------------------------------------------------------------------------------------------
 // Stats.
 
+// Block statistics are exact to rounding even when |mean| >> std: the first pass sums x - K about
+// a pivot K (the block's first value), so the sum holds spread rather than magnitude; the second
+// pass sums d = x - m and d² about the rounded block mean m, and the merge uses the corrected
+// mean m + Σd/n and M2 = Σd² - (Σd)²/n (the "corrected two-pass" algorithm).
+HWY_INLINE void CorrectedBlock(double n, double m, double sum_d, double sum_d2, double& mean,
+                               double& m2) {
+  mean = m + sum_d / n;
+  m2 = sum_d2 - sum_d * sum_d / n;
+  if (m2 < 0) m2 = 0;
+}
+
 // Channels-last: statistics of rows [r0, r1) for all channels. `mean`/`m2` receive this range's
-// per-channel mean and centred sum of squares; `tmp` holds 2·C accumulators. Both passes walk the
+// per-channel mean and centred sum of squares; `tmp` holds 3·C accumulators. Both passes walk the
 // block row by row (contiguous reads; per-channel accumulators stay in L1), the second from cache.
 template <typename T>
 void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
                void* tmpv) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
-  A* bmean = static_cast<A*>(tmpv);
-  A* bm2 = bmean + C;
+  A* bm = static_cast<A*>(tmpv);  // pass 1: Σ(x - K); then the rounded block mean m
+  A* bd = bm + C;                 // pass 2: Σ(x - m)
+  A* bd2 = bd + C;                // pass 2: Σ(x - m)²
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t block = BlockRows(C, sizeof(T));
@@ -118,73 +130,89 @@ void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, 
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
     const A nb = static_cast<A>(b1 - b0);
-    for (int64_t c = 0; c < C; ++c) bmean[c] = bm2[c] = A(0);
-    for (int64_t r = b0; r < b1; ++r) {
+    const T* pivot = x + b0 * C;
+    for (int64_t c = 0; c < C; ++c) bm[c] = bd[c] = bd2[c] = A(0);
+    for (int64_t r = b0 + 1; r < b1; ++r) {
       const T* xr = x + r * C;
       for (int64_t c = 0; c < cv; c += N) {
-        hn::StoreU(hn::Add(hn::LoadU(d, bmean + c), LoadAcc(d, xr + c)), d, bmean + c);
+        const auto v = hn::Sub(LoadAcc(d, xr + c), LoadAcc(d, pivot + c));
+        hn::StoreU(hn::Add(hn::LoadU(d, bm + c), v), d, bm + c);
       }
-      for (int64_t c = cv; c < C; ++c) bmean[c] += ToAcc(xr[c]);
+      for (int64_t c = cv; c < C; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
     }
     const auto vinv = hn::Set(d, A(1) / nb);
-    for (int64_t c = 0; c < cv; c += N) hn::StoreU(hn::Mul(hn::LoadU(d, bmean + c), vinv), d, bmean + c);
-    for (int64_t c = cv; c < C; ++c) bmean[c] /= nb;
+    for (int64_t c = 0; c < cv; c += N) {
+      hn::StoreU(hn::MulAdd(hn::LoadU(d, bm + c), vinv, LoadAcc(d, pivot + c)), d, bm + c);
+    }
+    for (int64_t c = cv; c < C; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / nb;
     for (int64_t r = b0; r < b1; ++r) {
       const T* xr = x + r * C;
       for (int64_t c = 0; c < cv; c += N) {
-        const auto dv = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, bmean + c));
-        hn::StoreU(hn::MulAdd(dv, dv, hn::LoadU(d, bm2 + c)), d, bm2 + c);
+        const auto dv = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, bm + c));
+        hn::StoreU(hn::Add(hn::LoadU(d, bd + c), dv), d, bd + c);
+        hn::StoreU(hn::MulAdd(dv, dv, hn::LoadU(d, bd2 + c)), d, bd2 + c);
       }
       for (int64_t c = cv; c < C; ++c) {
-        const A dd = ToAcc(xr[c]) - bmean[c];
-        bm2[c] += dd * dd;
+        const A dd = ToAcc(xr[c]) - bm[c];
+        bd[c] += dd;
+        bd2[c] += dd * dd;
       }
     }
     for (int64_t c = 0; c < C; ++c) {
+      double bmean, bvar;
+      CorrectedBlock(static_cast<double>(nb), static_cast<double>(bm[c]),
+                     static_cast<double>(bd[c]), static_cast<double>(bd2[c]), bmean, bvar);
       double cnt = count;
-      ChanMerge(cnt, mean[c], m2[c], static_cast<double>(nb), static_cast<double>(bmean[c]),
-                static_cast<double>(bm2[c]));
+      ChanMerge(cnt, mean[c], m2[c], static_cast<double>(nb), bmean, bvar);
     }
     count += static_cast<double>(nb);
   }
 }
 
-// Sum and centred sum of squares of one contiguous block, two-pass.
+// Mean and centred sum of squares of one contiguous block (pivoted first pass, corrected second
+// pass, as CorrectedBlock explains).
 template <typename T>
-HWY_INLINE void BlockTwoPass(const T* p, int64_t len, Acc<T>& out_mean, Acc<T>& out_m2) {
+HWY_INLINE void BlockTwoPass(const T* p, int64_t len, double& out_mean, double& out_m2) {
   using A = Acc<T>;
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const A k = ToAcc(p[0]);
+  const auto vk = hn::Set(d, k);
   auto s0 = hn::Zero(d), s1 = hn::Zero(d);
   int64_t i = 0;
   for (; i + 2 * N <= len; i += 2 * N) {
-    s0 = hn::Add(s0, LoadAcc(d, p + i));
-    s1 = hn::Add(s1, LoadAcc(d, p + i + N));
+    s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
+    s1 = hn::Add(s1, hn::Sub(LoadAcc(d, p + i + N), vk));
   }
-  for (; i + N <= len; i += N) s0 = hn::Add(s0, LoadAcc(d, p + i));
+  for (; i + N <= len; i += N) s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
   A s = hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
-  for (; i < len; ++i) s += ToAcc(p[i]);
-  const A m = s / static_cast<A>(len);
+  for (; i < len; ++i) s += ToAcc(p[i]) - k;
+  const A m = k + s / static_cast<A>(len);
   const auto vm = hn::Set(d, m);
-  auto q0 = hn::Zero(d), q1 = hn::Zero(d);
+  auto c0 = hn::Zero(d), c1 = hn::Zero(d), q0 = hn::Zero(d), q1 = hn::Zero(d);
   i = 0;
   for (; i + 2 * N <= len; i += 2 * N) {
     const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
     const auto d1 = hn::Sub(LoadAcc(d, p + i + N), vm);
+    c0 = hn::Add(c0, d0);
+    c1 = hn::Add(c1, d1);
     q0 = hn::MulAdd(d0, d0, q0);
     q1 = hn::MulAdd(d1, d1, q1);
   }
   for (; i + N <= len; i += N) {
     const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
+    c0 = hn::Add(c0, d0);
     q0 = hn::MulAdd(d0, d0, q0);
   }
+  A c = hn::GetLane(hn::SumOfLanes(d, hn::Add(c0, c1)));
   A q = hn::GetLane(hn::SumOfLanes(d, hn::Add(q0, q1)));
   for (; i < len; ++i) {
     const A dd = ToAcc(p[i]) - m;
+    c += dd;
     q += dd * dd;
   }
-  out_mean = m;
-  out_m2 = q;
+  CorrectedBlock(static_cast<double>(len), static_cast<double>(m), static_cast<double>(c),
+                 static_cast<double>(q), out_mean, out_m2);
 }
 
 // Channels-first: statistics of elements [v0, v1) of one channel, whose data is planes of S
@@ -200,10 +228,9 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
     int64_t len = S - off;
     if (len > v1 - v) len = v1 - v;
     if (len > kRunBlock) len = kRunBlock;
-    Acc<T> bm, bq;
+    double bm, bq;
     BlockTwoPass(base + plane * plane_stride + off, len, bm, bq);
-    ChanMerge(count, mu, q, static_cast<double>(len), static_cast<double>(bm),
-              static_cast<double>(bq));
+    ChanMerge(count, mu, q, static_cast<double>(len), bm, bq);
     v += len;
   }
   *mean = mu;

@@ -9,7 +9,7 @@
 namespace fbn::kernels {
 
 struct KernelEntry {
-  // Channels-last statistics of rows [r0, r1): per-channel mean and M2 of the range. tmp: 2·C
+  // Channels-last statistics of rows [r0, r1): per-channel mean and M2 of the range. tmp: 3·C
   // accumulators of scratch.
   void (*stats_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
                      void* tmp);

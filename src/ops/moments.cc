@@ -50,8 +50,9 @@ Status NormalizeAxes(const Shape& x, const int* axes, int num_axes, bool reduced
   for (int i = 0; i < num_axes; ++i) {
     const int a = axes[i];
     if (a < -x.rank() || a >= x.rank()) {
-      return InvalidArgument("Invalid reduction dimension " + std::to_string(a) + " for input with " +
-                             std::to_string(x.rank()) + " dimensions.");
+      // TensorFlow's text, stray parenthesis included.
+      return InvalidArgument("Invalid reduction dimension (" + std::to_string(a) +
+                             " for input with " + std::to_string(x.rank()) + " dimension(s)");
     }
     const int k = a < 0 ? a + x.rank() : a;
     if (reduced[k]) {

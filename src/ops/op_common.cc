@@ -69,7 +69,14 @@ Status CheckOpTypes(const char* op, OpVersion version, DataType t,
   bool first = true;
   for (DataType got : stats) {
     if (first && version != OpVersion::kV1 && got != u) {
-      return AttrTypeError("U", got, u == DataType::kFloat64 ? "double" : "float");
+      if (u == DataType::kFloat64) return AttrTypeError("U", got, "double");
+      if (version == OpVersion::kV3 && got == DataType::kBFloat16) {
+        // V3's registration admits U=bfloat16, but no kernel (TensorFlow's or fbn's) runs it.
+        return InvalidArgument(std::string(op) +
+                               " has no kernel for U=bfloat16: scale, offset, mean and variance "
+                               "must be float");
+      }
+      return AttrTypeError("U", got, version == OpVersion::kV3 ? "bfloat16, float" : "float");
     }
     Status s = CheckInputType(op, index, got, version == OpVersion::kV1 ? t : u);
     if (!s.ok()) return s;
