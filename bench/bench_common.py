@@ -113,9 +113,14 @@ def time_callable(fn, reps, min_time, cold=False, flush=None, max_calls_per_rep=
     calls = max(1, min(max_calls_per_rep, int(math.ceil(min_time / one)) if min_time > 0 else 1))
     samples, fastest = [], float("inf")
     clock = time.perf_counter
+    # A repetition also ends after 4x min_time of wall time: when the machine is oversubscribed a
+    # call can be 1000x slower than the calibration call, and a fixed call count would then run
+    # for minutes.
+    budget = 4 * min_time
     for _ in range(max(1, reps)):
         times = []
         prev = None
+        rep_start = clock()
         for _ in range(calls):
             if cold:
                 # The previous call's outputs leave the cache too: the allocator hands their
@@ -124,7 +129,10 @@ def time_callable(fn, reps, min_time, cold=False, flush=None, max_calls_per_rep=
                 prev = None
             t0 = clock()
             prev = fn()
-            times.append(clock() - t0)
+            t1 = clock()
+            times.append(t1 - t0)
+            if t1 - rep_start > budget:
+                break
         del prev
         times.sort()
         samples.append(times[len(times) // 2] if len(times) % 2 else

@@ -590,9 +590,9 @@ def rep_policy(args, f32_bytes):
     if args.quick:
         reps, mt = 3, 0.005
     elif f32_bytes < (4 << 20):
-        reps, mt = 5, 0.05
-    elif f32_bytes < (64 << 20):
         reps, mt = 5, 0.03
+    elif f32_bytes < (64 << 20):
+        reps, mt = 5, 0.02
     elif f32_bytes < (256 << 20):
         reps, mt = 3, 0.01
     else:
