@@ -20,6 +20,13 @@ constexpr double kChannelTaskBytes = 2.0 * 1024 * 1024;
 constexpr int64_t kMaxReduceTasks = 64;
 // An element-wise task writes about this much.
 constexpr double kApplyTaskBytes = 64.0 * 1024;
+// Outputs at least this large bypass the cache with streaming stores: they will not be read back
+// from it before being evicted, and streaming saves the read-for-ownership of every line.
+constexpr double kStreamBytes = 16.0 * 1024 * 1024;
+
+bool StreamOutput(const Geometry& g, size_t elem_bytes) {
+  return static_cast<double>(g.elements()) * static_cast<double>(elem_bytes) >= kStreamBytes;
+}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -162,18 +169,19 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
   const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
+  const bool stream = StreamOutput(g, es);
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const int64_t per = std::max<int64_t>(
         1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
     threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
-      e.apply_rows(x, g.c, t * per, std::min(rows, (t + 1) * per), mean, a, b, y);
+      e.apply_rows(x, g.c, t * per, std::min(rows, (t + 1) * per), mean, a, b, y, stream);
     });
   } else {
     const int64_t total = g.elements();
     const int64_t per = static_cast<int64_t>(kApplyTaskBytes / static_cast<double>(es));
     threading::ParallelFor(CeilDiv(total, per), threads, [&](int64_t t) {
-      e.apply_flat(x, g.c, g.s, t * per, std::min(total, (t + 1) * per), mean, a, b, y);
+      e.apply_flat(x, g.c, g.s, t * per, std::min(total, (t + 1) * per), mean, a, b, y, stream);
     });
   }
 }
@@ -249,20 +257,21 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
   const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
+  const bool stream = StreamOutput(g, es);
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const int64_t per = std::max<int64_t>(
         1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
     threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
       e.backward_apply_rows(dy, x, g.c, t * per, std::min(rows, (t + 1) * per), mean, k1, k2, k0,
-                            dx);
+                            dx, stream);
     });
   } else {
     const int64_t total = g.elements();
     const int64_t per = static_cast<int64_t>(kApplyTaskBytes / static_cast<double>(es));
     threading::ParallelFor(CeilDiv(total, per), threads, [&](int64_t t) {
       e.backward_apply_flat(dy, x, g.c, g.s, t * per, std::min(total, (t + 1) * per), mean, k1, k2,
-                            k0, dx);
+                            k0, dx, stream);
     });
   }
 }
@@ -311,6 +320,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   }
   const KernelEntry& e = Entry(dtype);
   const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
+  const bool stream = StreamOutput(g, es);
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
@@ -321,7 +331,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
       coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
       for (int64_t n = 0; n < g.n; ++n) {
         const int64_t f0 = (n * C + c) * g.s;
-        e.apply_flat(x, C, g.s, f0, f0 + g.s, k_mean, k_a, k_b, y);
+        e.apply_flat(x, C, g.s, f0, f0 + g.s, k_mean, k_a, k_b, y, stream);
       }
     });
   });
@@ -344,6 +354,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   }
   const KernelEntry& e = Entry(dtype);
   const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
+  const bool stream = StreamOutput(g, es);
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
@@ -353,7 +364,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
       coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
       for (int64_t b = 0; b < g.n; ++b) {
         const int64_t f0 = (b * C + c) * g.s;
-        e.backward_apply_flat(dy, x, C, g.s, f0, f0 + g.s, k_mean, k1, k2, k0, dx);
+        e.backward_apply_flat(dy, x, C, g.s, f0, f0 + g.s, k_mean, k1, k2, k0, dx, stream);
       }
     });
   });

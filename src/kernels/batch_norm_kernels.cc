@@ -4,6 +4,7 @@
 #define HWY_TARGET_INCLUDE "kernels/batch_norm_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/batch_norm_kernels.h"
 #include "kernels/convert.h"
@@ -41,30 +42,16 @@ HWY_INLINE hn::Vec<D> LoadAcc(D d, const BFloat16* p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(bits));
 }
 
-template <class D>
-HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, float* p) {
-  hn::StoreU(v, d, p);
-}
-template <class D>
-HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, double* p) {
-  hn::StoreU(v, d, p);
-}
-template <class D>
-HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, Half* p) {
+#undef FBN_HW_F16
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  // F16C rounds to nearest even.
-  const hn::Rebind<hwy::float16_t, D> dh;
-  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+#define FBN_HW_F16 1  // F16C: float -> half rounds to nearest even
 #else
-  // Highway's emulated demotion truncates; round correctly lane by lane instead.
-  HWY_ALIGN float lanes[hn::MaxLanes(d)];
-  hn::Store(v, d, lanes);
-  for (size_t i = 0; i < hn::Lanes(d); ++i) p[i] = ToHalf(lanes[i]);
+#define FBN_HW_F16 0  // Highway's emulated demotion truncates: round lane by lane instead
 #endif
-}
+
+// bfloat16 bits of v, rounded to nearest even; NaN stays a (quiet) NaN.
 template <class D>
-HWY_INLINE void StoreAcc(D /*d*/, hn::Vec<D> v, BFloat16* p) {
-  // Round to nearest even on the integer bits; NaN stays a (quiet) NaN.
+HWY_INLINE hn::Vec<hn::Rebind<uint16_t, D>> BFloat16Bits(D /*d*/, hn::Vec<D> v) {
   const hn::RebindToUnsigned<D> du32;
   const hn::RebindToSigned<D> di32;
   const hn::Rebind<uint16_t, D> du16;
@@ -73,8 +60,71 @@ HWY_INLINE void StoreAcc(D /*d*/, hn::Vec<D> v, BFloat16* p) {
   auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
   const auto quiet_nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du32, 0x40u));
   rounded = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet_nan, rounded);
-  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, rounded)), du16,
-             reinterpret_cast<uint16_t*>(p));
+  return hn::DemoteTo(du16, hn::BitCast(di32, rounded));
+}
+
+// Stores v to p as T. With `stream`, p must be aligned to the stored vector's size and the store
+// bypasses the cache (for outputs larger than the last-level cache: no read-for-ownership).
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, float* p, bool stream = false) {
+  if (stream) {
+    hn::Stream(v, d, p);
+  } else {
+    hn::StoreU(v, d, p);
+  }
+}
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, double* p, bool stream = false) {
+  if (stream) {
+    hn::Stream(v, d, p);
+  } else {
+    hn::StoreU(v, d, p);
+  }
+}
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, Half* p, bool stream = false) {
+#if FBN_HW_F16
+  const hn::Rebind<hwy::float16_t, D> dh;
+  const auto h = hn::DemoteTo(dh, v);
+  if (stream) {
+    hn::Stream(h, dh, reinterpret_cast<hwy::float16_t*>(p));
+  } else {
+    hn::StoreU(h, dh, reinterpret_cast<hwy::float16_t*>(p));
+  }
+#else
+  (void)stream;
+  HWY_ALIGN float lanes[hn::MaxLanes(d)];
+  hn::Store(v, d, lanes);
+  for (size_t i = 0; i < hn::Lanes(d); ++i) p[i] = ToHalf(lanes[i]);
+#endif
+}
+template <class D>
+HWY_INLINE void StoreAcc(D d, hn::Vec<D> v, BFloat16* p, bool stream = false) {
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = BFloat16Bits(d, v);
+  if (stream) {
+    hn::Stream(bits, du16, reinterpret_cast<uint16_t*>(p));
+  } else {
+    hn::StoreU(bits, du16, reinterpret_cast<uint16_t*>(p));
+  }
+}
+
+// Whole vectors from `p` on are aligned for streaming stores of T.
+template <typename T, class D>
+HWY_INLINE bool StreamAligned(D d, const T* p) {
+  const uintptr_t bytes = hn::Lanes(d) * sizeof(T);
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+// Elements to write one by one before p + i is aligned for streaming (at most one vector).
+template <typename T, class D>
+HWY_INLINE int64_t StreamHead(D d, const T* p) {
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const uintptr_t bytes = static_cast<uintptr_t>(lanes) * sizeof(T);
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % bytes;
+  if (mis == 0) return 0;
+  if (mis % sizeof(T) != 0) return -1;  // never aligned: do not stream
+  return static_cast<int64_t>((bytes - mis) / sizeof(T));
 }
 
 // Merges a block's (count, mean, m2) into a running state with Chan's formula, in double.
@@ -242,7 +292,7 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
 
 template <typename T>
 void ApplyRows(const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv, const void* av,
-               const void* bv, void* yv) {
+               const void* bv, void* yv, bool stream) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
@@ -251,22 +301,25 @@ void ApplyRows(const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv
   const A* b = static_cast<const A*>(bv);
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  // Streaming needs every row's vectors aligned: whole-vector rows from an aligned start.
+  const bool nt = stream && C % N == 0 && StreamAligned(d, y + r0 * C);
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * C;
     T* yr = y + r * C;
     int64_t c = 0;
     for (; c + N <= C; c += N) {
       const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
-      StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c);
+      StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
     }
     for (; c < C; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
   }
+  if (nt) hwy::FlushStream();
 }
 
 // Channels-first: flat elements [f0, f1) of an N·C·S tensor.
 template <typename T>
 void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mv,
-               const void* av, const void* bv, void* yv) {
+               const void* av, const void* bv, void* yv, bool stream) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
@@ -280,12 +333,18 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
     const int64_t end = (f / S + 1) * S < f1 ? (f / S + 1) * S : f1;
     const auto vm = hn::Set(d, mean[c]), va = hn::Set(d, a[c]), vb = hn::Set(d, b[c]);
     int64_t i = f;
+    const int64_t head = stream ? StreamHead(d, y + f) : -1;
+    const bool nt = head >= 0 && head < end - f;
+    if (nt) {
+      for (; i < f + head; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
+    }
     for (; i + N <= end; i += N) {
-      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i);
+      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i, nt);
     }
     for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
     f = end;
   }
+  if (stream) hwy::FlushStream();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -388,7 +447,7 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
 template <typename T>
 void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1,
                        const void* mv, const void* k1v, const void* k2v, const void* k0v,
-                       void* dxv) {
+                       void* dxv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -399,25 +458,27 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, i
   const A* k0 = static_cast<const A*>(k0v);
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const bool nt = stream && C % N == 0 && StreamAligned(d, dx + r0 * C);
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t o = r * C;
     int64_t c = 0;
     for (; c + N <= C; c += N) {
       const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
       const auto t = hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
-      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c);
+      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
     }
     for (; c < C; ++c) {
       const A xc = ToAcc(x[o + c]) - mean[c];
       dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
     }
   }
+  if (nt) hwy::FlushStream();
 }
 
 template <typename T>
 void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t f0,
                        int64_t f1, const void* mv, const void* k1v, const void* k2v,
-                       const void* k0v, void* dxv) {
+                       const void* k0v, void* dxv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -434,16 +495,23 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
     const auto vm = hn::Set(d, mean[c]), v1 = hn::Set(d, k1[c]), v2 = hn::Set(d, k2[c]),
                v0 = hn::Set(d, k0[c]);
     int64_t i = f;
+    const int64_t head = stream ? StreamHead(d, dx + f) : -1;
+    const bool nt = head >= 0 && head < end - f;
+    auto scalar = [&](int64_t j) {
+      const A xc = ToAcc(x[j]) - mean[c];
+      dx[j] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[j]) + k0[c]));
+    };
+    if (nt) {
+      for (; i < f + head; ++i) scalar(i);
+    }
     for (; i + N <= end; i += N) {
       const auto xc = hn::Sub(LoadAcc(d, x + i), vm);
-      StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i);
+      StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i, nt);
     }
-    for (; i < end; ++i) {
-      const A xc = ToAcc(x[i]) - mean[c];
-      dx[i] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[i]) + k0[c]));
-    }
+    for (; i < end; ++i) scalar(i);
     f = end;
   }
+  if (stream) hwy::FlushStream();
 }
 
 // ------------------------------------------------------------------------------------------------

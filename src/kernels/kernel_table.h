@@ -16,10 +16,11 @@ struct KernelEntry {
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);
+  // Element-wise writers take `stream`: bypass the cache for outputs larger than it.
   void (*apply_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, const void* mean,
-                     const void* a, const void* b, void* y);
+                     const void* a, const void* b, void* y, bool stream);
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
-                     const void* a, const void* b, void* y);
+                     const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
   // accumulators of scratch.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
@@ -30,10 +31,10 @@ struct KernelEntry {
                      double* sum_dy_xc, const void* k1, void* dx);
   void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
                               const void* mean, const void* k1, const void* k2, const void* k0,
-                              void* dx);
+                              void* dx, bool stream);
   void (*backward_apply_flat)(const void* dy, const void* x, int64_t C, int64_t S, int64_t f0,
                               int64_t f1, const void* mean, const void* k1, const void* k2,
-                              const void* k0, void* dx);
+                              const void* k0, void* dx, bool stream);
 };
 
 struct KernelTable {
