@@ -10,7 +10,8 @@ function(fbn_add_gtest target)
   add_executable(${target} ${ARG_UNPARSED_ARGUMENTS})
   target_link_libraries(${target} PRIVATE fbn_test_support fbn::fbn GTest::gtest_main)
   fbn_apply_flags(${target})
-  set(props LABELS "unit;${ARG_LABELS}")
+  # A deadlock must fail the test, not stall CI.
+  set(props LABELS "unit;${ARG_LABELS}" TIMEOUT 300)
   gtest_discover_tests(${target} DISCOVERY_TIMEOUT 120 PROPERTIES ${props})
 endfunction()
 

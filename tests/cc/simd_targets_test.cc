@@ -1,0 +1,280 @@
+// Every SIMD target compiled into fbn and supported by this CPU, one at a time: the kernels re-read
+// Highway's dispatch on every call, so hwy::SetSupportedTargetsForTest caps what the public ops
+// run. For each target the ops must agree with the float64 reference, and the 16-bit loads and
+// stores must be exact: loads widen every bit pattern exactly, stores round to nearest even, keep
+// NaN a NaN and overflow to infinity.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fbn/fbn.h"
+#include "hwy/targets.h"
+#include "kernels/kernel_table.h"
+#include "op_checks.h"
+#include "reference.h"
+#include "test_util.h"
+
+namespace fbn_test {
+namespace {
+
+using fbn::DataType;
+using fbn::OpVersion;
+using fbn::Shape;
+using fbn::Status;
+using fbn::TensorFormat;
+
+// The targets this CPU supports and fbn was compiled for, best first (Highway gives better
+// targets lower bits). A target is compiled in when capping dispatch to it makes fbn's kernel
+// table report that target; otherwise dispatch falls back to another one.
+std::vector<int64_t> ReachableTargets() {
+  std::vector<int64_t> targets;
+  for (int64_t bits = hwy::SupportedTargets(); bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    if (std::string(fbn::kernels::ActiveKernels().target_name) == hwy::TargetName(target)) {
+      targets.push_back(target);
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  return targets;
+}
+
+class SimdTargetTest : public ::testing::TestWithParam<int64_t> {
+ protected:
+  void SetUp() override {
+    hwy::SetSupportedTargetsForTest(GetParam());
+    ASSERT_STREQ(fbn::kernels::ActiveKernels().target_name, hwy::TargetName(GetParam()));
+  }
+  void TearDown() override { hwy::SetSupportedTargetsForTest(0); }
+};
+
+constexpr DataType kAllDtypes[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
+                                   DataType::kFloat64};
+
+// Shapes whose channel counts hit full vectors and tails for every lane count (1, 4, 8, 16), and
+// enough rows for several blocks and tasks.
+TEST_P(SimdTargetTest, OpsMatchReference) {
+  struct Case {
+    int64_t n, c;
+    std::vector<int64_t> spatial;
+  };
+  const Case cases[] = {{2, 1, {3, 5}},  {3, 3, {7, 1}},   {2, 17, {5, 3}},
+                        {2, 67, {3, 3}}, {2, 16, {9, 17}}, {3, 5, {13, 11}}};
+  uint32_t seed = 1;
+  for (DataType t : kAllDtypes) {
+    for (TensorFormat f : {TensorFormat::kNHWC, TensorFormat::kNCHW}) {
+      for (const Case& c : cases) {
+        const Shape xs = MakeShape(f, c.n, c.c, c.spatial);
+        SCOPED_TRACE(DTypeTag(t) + " " + FormatTag(f) + " " + xs.DebugString());
+        CheckForwardTraining(t, f, xs, seed++);
+        CheckForwardInference(t, f, xs, seed++);
+        CheckGrad(t, f, xs, true, seed++);
+        CheckGrad(t, f, xs, false, seed++);
+      }
+    }
+  }
+}
+
+// Float values that probe round-to-nearest-even into half and bfloat16: exact ties (to even down
+// and up), just past ties, the largest finite values and what overflows, subnormal results,
+// negative values rounding to -0, infinities, NaN, and random floats of every magnitude.
+std::vector<float> TrickyFloats(DataType t) {
+  const float h = std::ldexp(1.0f, -11), b = std::ldexp(1.0f, -8);  // half an ulp at 1
+  std::vector<float> v;
+  if (t == DataType::kFloat16) {
+    v = {1 + h,          1 + 3 * h,      1 + h + std::ldexp(1.0f, -20),
+         1 - h / 2,      -(1 + 3 * h),   65504.0f,
+         65519.0f,       65520.0f,       -65520.0f,
+         1e6f,           6.1035156e-05f, 6.0e-05f,
+         2.9802322e-08f, 8.9406967e-08f, 1.0e-7f,
+         -1e-9f,         3.0e-8f,        1234.567f,
+         0.3333333f};
+  } else {
+    v = {1 + b,
+         1 + 3 * b,
+         1 + b + std::ldexp(1.0f, -20),
+         -(1 + 3 * b),
+         3.3895314e38f,
+         std::numeric_limits<float>::max(),
+         -std::numeric_limits<float>::max(),
+         std::numeric_limits<float>::denorm_min(),
+         1.0e-40f,
+         -3.0e-39f,
+         1.1754944e-38f,
+         1234.567f,
+         0.3333333f};
+  }
+  v.push_back(std::numeric_limits<float>::infinity());
+  v.push_back(-std::numeric_limits<float>::infinity());
+  v.push_back(std::numeric_limits<float>::quiet_NaN());
+  v.push_back(-std::numeric_limits<float>::quiet_NaN());
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> mantissa(1.0, 2.0);
+  std::uniform_int_distribution<int> exponent(t == DataType::kFloat16 ? -27 : -135,
+                                              t == DataType::kFloat16 ? 16 : 127);
+  while (v.size() < 67) {
+    const double m = mantissa(rng) * ((v.size() % 2) ? -1 : 1);
+    v.push_back(static_cast<float>(std::ldexp(m, exponent(rng))));
+  }
+  return v;
+}
+
+::testing::AssertionResult SameHalfOrBf16(DataType t, uint16_t got, double want_value) {
+  const uint16_t want = t == DataType::kFloat16 ? HalfBits(want_value) : BFloat16Bits(want_value);
+  const double got_value = t == DataType::kFloat16 ? HalfFromBits(got) : BFloat16FromBits(got);
+  if (std::isnan(want_value)) {
+    if (std::isnan(got_value)) return ::testing::AssertionSuccess();
+  } else if (got == want) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << "for " << want_value << ": got bits 0x" << std::hex << got << ", want 0x" << want;
+}
+
+uint16_t Bits16(const HostTensor& t, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, static_cast<const unsigned char*>(t.data()) + 2 * i, 2);
+  return b;
+}
+
+// Inference with x = 0, mean 0, variance 1, epsilon 0 and scale 1 makes y = offset exactly in
+// float, so y is the store's rounding of the chosen offsets. The gradient with dy = 1 and frozen
+// statistics gives dx = scale likewise. Channels-last (C = 67) stores through whole vectors and
+// the channel tail; channels-first (37 per plane) through both as well.
+TEST_P(SimdTargetTest, SixteenBitStoresRoundToNearestEven) {
+  for (DataType t : {DataType::kFloat16, DataType::kBFloat16}) {
+    const std::vector<float> values = TrickyFloats(t);
+    const int64_t C = static_cast<int64_t>(values.size());
+    for (TensorFormat f : {TensorFormat::kNHWC, TensorFormat::kNCHW}) {
+      SCOPED_TRACE(DTypeTag(t) + " " + FormatTag(f));
+      const Shape xs = MakeShape(f, 2, C, {1, 37});
+      const RefLayout l = LayoutOf(xs, f);
+      HostTensor special(DataType::kFloat32, Shape{C});
+      for (int64_t c = 0; c < C; ++c) special.Set(c, static_cast<double>(values[c]));
+      HostTensor ones(DataType::kFloat32, Shape{C}), zeros(DataType::kFloat32, Shape{C});
+      for (int64_t c = 0; c < C; ++c) ones.Set(c, 1.0);
+
+      ForwardIO io;
+      io.x = HostTensor(t, xs);  // all +0
+      io.scale = ones;
+      io.offset = special;
+      io.mean = zeros;
+      io.variance = ones;
+      fbn::FusedBatchNormAttrs attrs;
+      attrs.epsilon = 0.0f;
+      attrs.is_training = false;
+      attrs.data_format = f;
+      ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+      Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      int failures = 0;
+      for (int64_t i = 0; i < io.y.size() && failures < 10; ++i) {
+        const auto r =
+            SameHalfOrBf16(t, Bits16(io.y, i), static_cast<double>(values[l.ChannelOf(i)]));
+        EXPECT_TRUE(r) << "y[" << i << "]";
+        failures += !r;
+      }
+
+      GradIO g;
+      g.dy = HostTensor(t, xs);
+      for (int64_t i = 0; i < g.dy.size(); ++i) g.dy.Set(i, 1.0);
+      g.x = HostTensor(t, xs);
+      g.scale = special;
+      g.rs1 = zeros;
+      g.rs2 = ones;
+      g.rs3 = HostTensor(DataType::kFloat32, Shape{});
+      fbn::FusedBatchNormGradAttrs gattrs;
+      gattrs.epsilon = 0.0f;
+      gattrs.is_training = false;
+      gattrs.data_format = f;
+      ASSERT_NO_FATAL_FAILURE(g.AllocateOutputs(OpVersion::kV3, gattrs));
+      s = fbn::FusedBatchNormGrad(OpVersion::kV3, g.Inputs(), gattrs, g.Outputs());
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      failures = 0;
+      for (int64_t i = 0; i < g.dx.size() && failures < 10; ++i) {
+        const auto r =
+            SameHalfOrBf16(t, Bits16(g.dx, i), static_cast<double>(values[l.ChannelOf(i)]));
+        EXPECT_TRUE(r) << "dx[" << i << "]";
+        failures += !r;
+      }
+    }
+  }
+}
+
+// Every 16-bit pattern as x, with mean 0, variance 1, epsilon 0: y = x·scale exactly in float, so
+// with scale 1 and 0.5 y must be the correctly rounded x·scale (the reference's rounding). This
+// checks that loads widen every pattern exactly: subnormals, infinities (x·0.5 stays infinite)
+// and NaNs (which must stay NaN).
+TEST_P(SimdTargetTest, SixteenBitLoadsAreExact) {
+  for (DataType t : {DataType::kFloat16, DataType::kBFloat16}) {
+    for (TensorFormat f : {TensorFormat::kNHWC, TensorFormat::kNCHW}) {
+      for (double scale : {1.0, 0.5}) {
+        SCOPED_TRACE(DTypeTag(t) + " " + FormatTag(f) + " scale " + std::to_string(scale));
+        const int64_t C = 16;
+        const Shape xs = MakeShape(f, 1, C, {64, 64});  // 65536 elements
+        ForwardIO io;
+        io.x = HostTensor(t, xs);
+        auto* bits = static_cast<uint16_t*>(io.x.data());
+        for (int64_t i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
+        io.scale = io.variance = HostTensor(DataType::kFloat32, Shape{C});
+        io.offset = io.mean = HostTensor(DataType::kFloat32, Shape{C});
+        for (int64_t c = 0; c < C; ++c) {
+          io.scale.Set(c, scale);
+          io.variance.Set(c, 1.0);
+        }
+        fbn::FusedBatchNormAttrs attrs;
+        attrs.epsilon = 0.0f;
+        attrs.is_training = false;
+        attrs.data_format = f;
+        ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+        const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        int failures = 0;
+        for (int64_t i = 0; i < 65536; ++i) {
+          const double x = io.x.Get(i), y = io.y.Get(i);
+          const double want = RoundTo(t, x * scale);
+          const bool ok = std::isnan(want) ? std::isnan(y) : y == want;  // -0 == +0: (-0)·a + 0
+          if (!ok && ++failures <= 5) {
+            ADD_FAILURE() << "bits 0x" << std::hex << i << std::dec << ": x " << x << ", y " << y
+                          << ", want " << want;
+          }
+        }
+        EXPECT_EQ(failures, 0) << "of 65536 bit patterns";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, SimdTargetTest, ::testing::ValuesIn(ReachableTargets()),
+                         [](const ::testing::TestParamInfo<int64_t>& p) {
+                           return std::string(hwy::TargetName(p.param));
+                         });
+
+// The portable fallback is always compiled in and reachable, and uncapped dispatch picks the best
+// target; which targets ran is printed and recorded in the test's XML output.
+TEST(SimdTargets, DispatchReachesCompiledTargets) {
+  std::string list;
+  std::vector<std::string> reached;
+  for (int64_t target : ReachableTargets()) {
+    reached.push_back(hwy::TargetName(target));
+    list += reached.back() + " ";
+  }
+  RecordProperty("targets_reached", list);
+  std::printf("SIMD targets exercised: %s\n", list.c_str());
+  ASSERT_FALSE(reached.empty());
+  const bool has_fallback = std::find(reached.begin(), reached.end(), "EMU128") != reached.end() ||
+                            std::find(reached.begin(), reached.end(), "SCALAR") != reached.end();
+  EXPECT_TRUE(has_fallback) << list;
+  EXPECT_EQ(std::string(fbn::kernels::ActiveKernels().target_name), reached.front());
+}
+
+}  // namespace
+}  // namespace fbn_test

@@ -1,0 +1,211 @@
+// Determinism and thread safety: outputs are bit-identical for any thread count (reductions run
+// over chunks fixed by the shape and merge in chunk order), and concurrent calls from several
+// caller threads give exactly the serial results.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fbn/fbn.h"
+#include "test_util.h"
+
+namespace fbn_test {
+namespace {
+
+using fbn::DataType;
+using fbn::OpVersion;
+using fbn::Shape;
+using fbn::TensorFormat;
+
+// Shapes large enough to split every phase into many tasks: channels-last rows in many chunks;
+// channels-first channels grouped several to a task; a channels-first channel above 2 MB (also in
+// bfloat16: 1.08M elements) split into pieces merged in order.
+struct Workload {
+  const char* name;
+  TensorFormat format;
+  std::vector<int64_t> dims;
+};
+
+const Workload kWorkloads[] = {
+    {"nhwc_c32", TensorFormat::kNHWC, {8, 48, 48, 32}},
+    {"nhwc_c3", TensorFormat::kNHWC, {8, 128, 128, 3}},
+    {"nchw_grouped", TensorFormat::kNCHW, {8, 32, 48, 48}},
+    {"nchw_pieces", TensorFormat::kNCHW, {2, 1, 768, 704}},
+};
+
+// All outputs of forward training and both gradients, as raw bytes.
+struct Outputs {
+  std::vector<std::vector<unsigned char>> bytes;
+  bool operator==(const Outputs& o) const { return bytes == o.bytes; }
+};
+
+struct Inputs {
+  HostTensor x, dy, scale, offset, mean, variance;
+};
+
+Inputs MakeInputs(DataType t, const Workload& w, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const Shape xs(w.dims.data(), static_cast<int>(w.dims.size()));
+  const int64_t C = ChannelsLast(w.format) ? w.dims.back() : w.dims[1];
+  const DataType u = StatsType(t);
+  Inputs in;
+  in.x = RandomTensor(t, xs, -2, 4, &rng);
+  in.dy = RandomTensor(t, xs, -1, 1, &rng);
+  in.scale = RandomTensor(u, Shape{C}, 0.5, 1.5, &rng);
+  in.offset = RandomTensor(u, Shape{C}, -1, 1, &rng);
+  in.mean = RandomTensor(u, Shape{C}, -1, 1, &rng);
+  in.variance = RandomTensor(u, Shape{C}, 0.5, 2, &rng);
+  return in;
+}
+
+// Runs forward training (with running-average blending), the training gradient on its saved
+// statistics and the inference gradient; returns every output. Fails the test on an error.
+Outputs RunAll(const Inputs& in, TensorFormat format) {
+  Outputs out;
+  ForwardIO f;
+  f.x = in.x;
+  f.scale = in.scale;
+  f.offset = in.offset;
+  f.mean = in.mean;
+  f.variance = in.variance;
+  fbn::FusedBatchNormAttrs attrs;
+  attrs.data_format = format;
+  attrs.exponential_avg_factor = 0.1f;
+  f.AllocateOutputs(OpVersion::kV3, attrs);
+  fbn::Status s = fbn::FusedBatchNorm(OpVersion::kV3, f.Inputs(), attrs, f.Outputs());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  for (const HostTensor* t : {&f.y, &f.batch_mean, &f.batch_variance, &f.rs1, &f.rs2}) {
+    out.bytes.push_back(t->RawBytes());
+  }
+  for (bool training : {true, false}) {
+    GradIO g;
+    g.dy = in.dy;
+    g.x = in.x;
+    g.scale = in.scale;
+    g.rs1 = training ? f.rs1 : in.mean;
+    g.rs2 = training ? f.rs2 : in.variance;
+    g.rs3 = f.rs3;
+    fbn::FusedBatchNormGradAttrs gattrs;
+    gattrs.data_format = format;
+    gattrs.is_training = training;
+    g.AllocateOutputs(OpVersion::kV3, gattrs);
+    s = fbn::FusedBatchNormGrad(OpVersion::kV3, g.Inputs(), gattrs, g.Outputs());
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    for (const HostTensor* t : {&g.dx, &g.dscale, &g.doffset}) out.bytes.push_back(t->RawBytes());
+  }
+  return out;
+}
+
+class ThreadCountTest : public ::testing::TestWithParam<std::tuple<DataType, int>> {
+ protected:
+  void TearDown() override { fbn::SetNumThreads(0); }
+};
+
+TEST_P(ThreadCountTest, BitIdenticalForAnyThreadCount) {
+  const auto [t, w] = GetParam();
+  const Workload& work = kWorkloads[w];
+  const Inputs in = MakeInputs(t, work, 42);
+  fbn::SetNumThreads(1);
+  ASSERT_EQ(fbn::GetNumThreads(), 1);
+  const Outputs serial = RunAll(in, work.format);
+  for (int threads : {2, 3, 7}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    fbn::SetNumThreads(threads);
+    ASSERT_EQ(fbn::GetNumThreads(), threads);
+    const Outputs parallel = RunAll(in, work.format);
+    ASSERT_EQ(parallel.bytes.size(), serial.bytes.size());
+    for (size_t i = 0; i < serial.bytes.size(); ++i) {
+      EXPECT_TRUE(parallel.bytes[i] == serial.bytes[i]) << "output " << i << " differs";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, ThreadCountTest,
+    ::testing::Combine(::testing::Values(DataType::kFloat32, DataType::kBFloat16),
+                       ::testing::Range(0, static_cast<int>(std::size(kWorkloads)))),
+    [](const ::testing::TestParamInfo<std::tuple<DataType, int>>& p) {
+      return DTypeTag(std::get<0>(p.param)) + "_" + kWorkloads[std::get<1>(p.param)].name;
+    });
+
+// A new pool is made whenever the thread count changes; a run must not be lost to a worker that
+// has not started yet, nor to a pool being replaced.
+TEST(ThreadPool, FreshPoolsNeverMissARun) {
+  // 300 KB: enough for several threads, small enough for many fresh pools.
+  const Workload small{"small", TensorFormat::kNHWC, {4, 24, 24, 32}};
+  const Inputs in = MakeInputs(DataType::kFloat32, small, 1);
+  fbn::SetNumThreads(1);
+  const Outputs want = RunAll(in, small.format);
+  for (int i = 0; i < 40; ++i) {
+    fbn::SetNumThreads(2 + i % 3);
+    ASSERT_TRUE(RunAll(in, small.format) == want) << "iteration " << i;
+  }
+  fbn::SetNumThreads(0);
+}
+
+// Several caller threads at once (one holds the pool, the others run inline) give exactly the
+// serial results, also while another thread keeps changing the thread count.
+TEST(ThreadPool, ConcurrentCallersMatchSerialResults) {
+  struct Job {
+    DataType dtype;
+    int workload;
+    Inputs in;
+    Outputs want;
+  };
+  std::vector<Job> jobs;
+  const std::pair<DataType, int> mix[] = {{DataType::kFloat32, 0},
+                                          {DataType::kBFloat16, 2},
+                                          {DataType::kFloat32, 2},
+                                          {DataType::kBFloat16, 1},
+                                          {DataType::kFloat32, 0}};
+  fbn::SetNumThreads(2);
+  for (const auto& [t, w] : mix) {
+    Job j{t, w, MakeInputs(t, kWorkloads[w], static_cast<uint32_t>(7 + w)), {}};
+    j.want = RunAll(j.in, kWorkloads[w].format);
+    jobs.push_back(std::move(j));
+  }
+  std::atomic<bool> done{false};
+  std::thread toggler([&] {
+    int n = 1;
+    while (!done.load()) {
+      fbn::SetNumThreads(1 + n++ % 4);
+      std::this_thread::yield();
+    }
+  });
+  std::vector<std::thread> callers;
+  std::vector<int> mismatches(jobs.size(), 0);
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    callers.emplace_back([&, k] {
+      for (int rep = 0; rep < 2; ++rep) {
+        if (!(RunAll(jobs[k].in, kWorkloads[jobs[k].workload].format) == jobs[k].want)) {
+          ++mismatches[k];
+        }
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  done = true;
+  toggler.join();
+  for (size_t k = 0; k < jobs.size(); ++k) EXPECT_EQ(mismatches[k], 0) << "job " << k;
+  fbn::SetNumThreads(0);
+}
+
+TEST(ThreadPool, SetNumThreadsDefaults) {
+  fbn::SetNumThreads(5);
+  EXPECT_EQ(fbn::GetNumThreads(), 5);
+  // n <= 0 restores the default: FBN_NUM_THREADS if set, else the hardware concurrency.
+  ASSERT_EQ(setenv("FBN_NUM_THREADS", "3", 1), 0);
+  fbn::SetNumThreads(0);
+  EXPECT_EQ(fbn::GetNumThreads(), 3);
+  ASSERT_EQ(unsetenv("FBN_NUM_THREADS"), 0);
+  fbn::SetNumThreads(-1);
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(fbn::GetNumThreads(), hw > 0 ? hw : 1);
+}
+
+}  // namespace
+}  // namespace fbn_test
