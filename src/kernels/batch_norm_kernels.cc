@@ -21,6 +21,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 template <typename T>
 using AccTag = hn::ScalableTag<Acc<T>>;
 
+// F16C converts half <-> float exactly and rounds to nearest even. Highway 1.0.3's emulated
+// conversions (the portable fallback targets) mishandle inf/NaN on load and truncate on store, so
+// those targets convert lane by lane with the scalar routines of convert.h.
+#undef FBN_HW_F16
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define FBN_HW_F16 1
+#else
+#define FBN_HW_F16 0
+#endif
+
 template <class D>
 HWY_INLINE hn::Vec<D> LoadAcc(D d, const float* p) {
   return hn::LoadU(d, p);
@@ -31,8 +41,14 @@ HWY_INLINE hn::Vec<D> LoadAcc(D d, const double* p) {
 }
 template <class D>
 HWY_INLINE hn::Vec<D> LoadAcc(D d, const Half* p) {
+#if FBN_HW_F16
   const hn::Rebind<hwy::float16_t, D> dh;
   return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+#else
+  HWY_ALIGN float lanes[hn::MaxLanes(d)];
+  for (size_t i = 0; i < hn::Lanes(d); ++i) lanes[i] = ToFloat(p[i]);
+  return hn::Load(d, lanes);
+#endif
 }
 template <class D>
 HWY_INLINE hn::Vec<D> LoadAcc(D d, const BFloat16* p) {
@@ -41,13 +57,6 @@ HWY_INLINE hn::Vec<D> LoadAcc(D d, const BFloat16* p) {
   const auto bits = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
   return hn::BitCast(d, hn::ShiftLeft<16>(bits));
 }
-
-#undef FBN_HW_F16
-#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-#define FBN_HW_F16 1  // F16C: float -> half rounds to nearest even
-#else
-#define FBN_HW_F16 0  // Highway's emulated demotion truncates: round lane by lane instead
-#endif
 
 // bfloat16 bits of v, rounded to nearest even; NaN stays a (quiet) NaN.
 template <class D>
