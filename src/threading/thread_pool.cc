@@ -30,7 +30,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(wake_mutex_);
       stop_ = true;
-      generation_.fetch_add(1, std::memory_order_release);
+      Publish(0);
     }
     wake_cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -44,11 +44,10 @@ class Pool {
     context_ = context;
     num_tasks_ = num_tasks;
     next_task_.store(0, std::memory_order_relaxed);
-    active_workers_.store(threads - 1, std::memory_order_relaxed);
     pending_.store(threads - 1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(wake_mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
+      Publish(threads - 1);
     }
     wake_cv_.notify_all();
     DrainTasks();
@@ -72,24 +71,37 @@ class Pool {
     t_inside_pool_task = was_inside;
   }
 
+  // A run is published as one word, (generation << 16) | workers wanted, so a worker never pairs
+  // one run's generation with another run's thread count.
+  void Publish(int workers) {
+    const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 16) + 1;
+    state_.store((generation << 16) | static_cast<uint64_t>(workers), std::memory_order_release);
+  }
+
   void WorkerLoop(int index) {
-    // Start from the constructor's generation (0), not a fresh load: a Run() may already have
-    // bumped it before this thread got scheduled, and must not be missed.
+    // Start from the constructor's state (0), not a fresh load: a Run() may already have
+    // published before this thread got scheduled, and must not be missed.
     uint64_t seen = 0;
     for (;;) {
       uint64_t now = seen;
       for (int spin = 0; spin < kSpinPolls; ++spin) {
-        now = generation_.load(std::memory_order_acquire);
+        now = state_.load(std::memory_order_acquire);
         if (now != seen) break;
       }
       if (now == seen) {
         std::unique_lock<std::mutex> lock(wake_mutex_);
-        wake_cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-        now = generation_.load(std::memory_order_acquire);
+        wake_cv_.wait(lock, [&] { return state_.load(std::memory_order_acquire) != seen; });
+        now = state_.load(std::memory_order_acquire);
+        if (stop_) return;
       }
       seen = now;
-      if (stop_) return;
-      if (index > active_workers_.load(std::memory_order_relaxed)) continue;  // this run asked for fewer threads
+      if (static_cast<int>(now & 0xFFFF) < index) {
+        // Not wanted by this run (or the pool is stopping).
+        std::lock_guard<std::mutex> lock(wake_mutex_);
+        if (stop_) return;
+        continue;
+      }
+      // Counted in this run's pending_: the run (and its parameters) outlives this drain.
       DrainTasks();
       pending_.fetch_sub(1, std::memory_order_acq_rel);
     }
@@ -99,13 +111,12 @@ class Pool {
   std::vector<std::thread> workers_;
   std::mutex wake_mutex_;
   std::condition_variable wake_cv_;
-  std::atomic<uint64_t> generation_{0};
-  bool stop_ = false;
+  std::atomic<uint64_t> state_{0};
+  bool stop_ = false;  // guarded by wake_mutex_
 
   TaskFn fn_ = nullptr;
   void* context_ = nullptr;
   int64_t num_tasks_ = 0;
-  std::atomic<int> active_workers_{0};
   std::atomic<int64_t> next_task_{0};
   std::atomic<int> pending_{0};
 };
