@@ -40,5 +40,5 @@ if ! .venv/bin/python -c "import numpy, ml_dtypes, pytest, nanobind, scikit_buil
   .venv/bin/pip install -q "${pip_packages[@]}"
   # tf.compat.v1.layers lives in tf-keras; --no-deps because it asks for the full `tensorflow`
   # package, which tensorflow-cpu already provides.
-  ((with_tf)) && .venv/bin/pip install -q --no-deps "tf-keras~=2.21.0"
+  if ((with_tf)); then .venv/bin/pip install -q --no-deps "tf-keras~=2.21.0"; fi
 fi

@@ -17,6 +17,7 @@ git ls-files '*.h' '*.cc' '*.cpp' | xargs clang-format-14 --dry-run -Werror
 
 echo "== Release build (g++, -Werror) and C++ tests"
 cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DFBN_WERROR=ON \
+  -DFBN_BUILD_TESTS=ON -DFBN_BUILD_BENCHMARKS=ON -DFBN_BUILD_EXAMPLES=ON \
   -DFBN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" >/dev/null
 cmake --build build/release -j "$jobs"
 ctest --test-dir build/release --output-on-failure -j "$jobs"
@@ -24,8 +25,8 @@ ctest --test-dir build/release --output-on-failure -j "$jobs"
 if ((!fast)); then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build (clang) and C++ tests"
   CC=clang-14 CXX=clang++-14 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug \
-    -DFBN_WERROR=ON -DFBN_SANITIZE="address;undefined" -DFBN_BUILD_BENCHMARKS=OFF \
-    -DFBN_BUILD_EXAMPLES=OFF >/dev/null
+    -DFBN_WERROR=ON -DFBN_SANITIZE="address;undefined" -DFBN_BUILD_TESTS=ON \
+    -DFBN_BUILD_BENCHMARKS=OFF -DFBN_BUILD_EXAMPLES=OFF >/dev/null
   cmake --build build/asan -j "$jobs"
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build/asan --output-on-failure -j "$jobs" -E 'consumer|bench'
