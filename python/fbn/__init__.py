@@ -11,10 +11,10 @@ from . import _fbn
 from . import errors, nn, raw_ops
 from . import graph, layers, train
 from ._fbn import get_num_threads, set_num_threads
-from .graph import Graph, GraphKeys, variable_scope
+from .graph import AUTO_REUSE, Graph, GraphKeys, variable_scope
 from .layers import TrainingFlag
 
 __version__ = _fbn.__version__
 
 __all__ = ["errors", "nn", "raw_ops", "get_num_threads", "set_num_threads", "__version__",
-           "layers", "train", "Graph", "GraphKeys", "variable_scope", "TrainingFlag"]
+           "layers", "train", "Graph", "GraphKeys", "variable_scope", "AUTO_REUSE", "TrainingFlag"]
