@@ -123,6 +123,14 @@ def git_rev():
         return "unknown"
 
 
+def built_time(path):
+    try:
+        return datetime.datetime.fromtimestamp(os.path.getmtime(path)).isoformat(
+            timespec="seconds")
+    except OSError:
+        return "missing"
+
+
 def fmt_bytes(b):
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if b >= div:
@@ -986,7 +994,8 @@ def finish(args, meta, runner, libs, all_cases, results, copy, parity_cfg, refs,
     meta["load_end"] = " ".join(read_first("/proc/loadavg").split()[:3])
     meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     versions = dict(runner.versions)
-    versions["fbn_git"] = meta["fbn_git"]
+    versions["fbn_git_at_run"] = meta["fbn_git_at_run"]
+    versions["fbn_bench_built"] = meta["fbn_bench_built"]
 
     if final:
         log("[4/4] report")
@@ -1069,7 +1078,9 @@ def main(argv=None):
         "started": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "full",
         "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "caches": caches,
         "thp": read_first("/sys/kernel/mm/transparent_hugepage/enabled"),
-        "kernel": platform.release(), "fbn_git": git_rev(),
+        "kernel": platform.release(), "fbn_git_at_run": git_rev(),
+        # What was measured is the fbn that build-bench holds, which may predate the tree.
+        "fbn_bench_built": built_time(os.path.join(args.build_dir, "bench", "fbn_bench")),
         "load_start": " ".join(read_first("/proc/loadavg").split()[:3]),
         "dram_bytes": int(args.dram_bytes or caches.get("L3", 32 << 20)),
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
