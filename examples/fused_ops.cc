@@ -26,9 +26,9 @@ int main() {
                                {offset.data(), f32, vs},
                                {empty.data(), f32, none},
                                {empty.data(), f32, none}};
-  fbn::FusedBatchNormOutputs out{{y.data(), f32, xs},          {batch_mean.data(), f32, vs},
-                                 {batch_var.data(), f32, vs},  {saved_mean.data(), f32, vs},
-                                 {saved_var.data(), f32, vs},  {rs3.data(), f32, fbn::Shape{}}};
+  fbn::FusedBatchNormOutputs out{{y.data(), f32, xs},         {batch_mean.data(), f32, vs},
+                                 {batch_var.data(), f32, vs}, {saved_mean.data(), f32, vs},
+                                 {saved_var.data(), f32, vs}, {rs3.data(), f32, fbn::Shape{}}};
   fbn::Status s = fbn::FusedBatchNorm(fbn::OpVersion::kV3, in, attrs, out);
   if (!s.ok()) {
     std::fprintf(stderr, "forward failed: %s\n", s.ToString().c_str());
@@ -38,9 +38,9 @@ int main() {
               batch_var[0]);
 
   std::vector<float> dscale(c), doffset(c), p0, p1;
-  fbn::FusedBatchNormGradInputs gin{{dy.data(), f32, xs},         {x.data(), f32, xs},
-                                    {scale.data(), f32, vs},      {saved_mean.data(), f32, vs},
-                                    {saved_var.data(), f32, vs},  {rs3.data(), f32, fbn::Shape{}}};
+  fbn::FusedBatchNormGradInputs gin{{dy.data(), f32, xs},        {x.data(), f32, xs},
+                                    {scale.data(), f32, vs},     {saved_mean.data(), f32, vs},
+                                    {saved_var.data(), f32, vs}, {rs3.data(), f32, fbn::Shape{}}};
   fbn::FusedBatchNormGradOutputs gout{{dx.data(), f32, xs},
                                       {dscale.data(), f32, vs},
                                       {doffset.data(), f32, vs},

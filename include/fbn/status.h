@@ -44,7 +44,8 @@ inline Status InvalidArgument(std::string message) {
 
 class FBN_API Error : public std::runtime_error {
  public:
-  explicit Error(const Status& status) : std::runtime_error(status.message()), code_(status.code()) {}
+  explicit Error(const Status& status)
+      : std::runtime_error(status.message()), code_(status.code()) {}
   StatusCode code() const { return code_; }
 
  private:

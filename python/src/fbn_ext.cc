@@ -60,8 +60,7 @@ fbn::ConstTensorView View(const InArray& a, int dtype_code, const char* name) {
   v.dtype = ToDataType(dtype_code);
   if (a.ndim() > fbn::Shape::kMaxRank) {
     throw InvalidArgumentException(std::string(name) + " has rank " + std::to_string(a.ndim()) +
-                                   ", above the supported " +
-                                   std::to_string(fbn::Shape::kMaxRank));
+                                   ", above the supported " + std::to_string(fbn::Shape::kMaxRank));
   }
   std::vector<int64_t> dims(a.ndim());
   for (size_t i = 0; i < a.ndim(); ++i) dims[i] = static_cast<int64_t>(a.shape(i));
@@ -96,12 +95,16 @@ struct Allocated {
 };
 
 Allocated Allocate(const fbn::TensorSpec& spec) {
-  const size_t bytes = static_cast<size_t>(spec.shape.num_elements()) * fbn::DataTypeSize(spec.dtype);
+  const size_t bytes =
+      static_cast<size_t>(spec.shape.num_elements()) * fbn::DataTypeSize(spec.dtype);
   void* data = std::aligned_alloc(64, ((bytes + 63) / 64) * 64 + 64);
-  if (!data) throw ResourceExhaustedException("could not allocate an output of " + std::to_string(bytes) + " bytes");
+  if (!data)
+    throw ResourceExhaustedException("could not allocate an output of " + std::to_string(bytes) +
+                                     " bytes");
   nb::capsule owner(data, [](void* p) noexcept { std::free(p); });
   std::vector<size_t> shape(static_cast<size_t>(spec.shape.rank()));
-  for (int i = 0; i < spec.shape.rank(); ++i) shape[static_cast<size_t>(i)] = static_cast<size_t>(spec.shape.dim(i));
+  for (int i = 0; i < spec.shape.rank(); ++i)
+    shape[static_cast<size_t>(i)] = static_cast<size_t>(spec.shape.dim(i));
   Allocated out{OutArray(data, shape.size(), shape.data(), owner, nullptr, NumpyDtype(spec.dtype)),
                 fbn::TensorView{data, spec.dtype, spec.shape}};
   return out;
@@ -126,8 +129,9 @@ nb::tuple FusedBatchNorm(int version, const InArray& x, int x_type, const InArra
   Raise(fbn::FusedBatchNormOutputSpecs(v, in, attrs, specs, &n));
   std::vector<Allocated> outs;
   for (int i = 0; i < n; ++i) outs.push_back(Allocate(specs[i]));
-  fbn::FusedBatchNormOutputs o{outs[0].view, outs[1].view, outs[2].view,
-                               outs[3].view, outs[4].view, n > 5 ? outs[5].view : fbn::TensorView{}};
+  fbn::FusedBatchNormOutputs o{outs[0].view, outs[1].view,
+                               outs[2].view, outs[3].view,
+                               outs[4].view, n > 5 ? outs[5].view : fbn::TensorView{}};
   fbn::Status s;
   {
     nb::gil_scoped_release release;
@@ -149,11 +153,10 @@ nb::tuple FusedBatchNormGrad(int version, const InArray& y_backprop, const InArr
   attrs.epsilon = epsilon;
   attrs.is_training = is_training;
   Raise(fbn::ParseDataFormat(data_format, v, &attrs.data_format));
-  fbn::FusedBatchNormGradInputs in{View(y_backprop, dy_type, "y_backprop"), View(x, x_type, "x"),
-                                   View(scale, scale_type, "scale"),
-                                   View(rs1, rs1_type, "reserve_space_1"),
-                                   View(rs2, rs2_type, "reserve_space_2"),
-                                   View(rs3, rs3_type, "reserve_space_3")};
+  fbn::FusedBatchNormGradInputs in{
+      View(y_backprop, dy_type, "y_backprop"), View(x, x_type, "x"),
+      View(scale, scale_type, "scale"),        View(rs1, rs1_type, "reserve_space_1"),
+      View(rs2, rs2_type, "reserve_space_2"),  View(rs3, rs3_type, "reserve_space_3")};
   fbn::TensorSpec specs[fbn::kMaxOpOutputs];
   int n = 0;
   Raise(fbn::FusedBatchNormGradOutputSpecs(v, in, attrs, specs, &n));
@@ -232,8 +235,7 @@ NB_MODULE(_fbn, m) {
         nb::arg("reserve_space_1"), nb::arg("rs1_type"), nb::arg("reserve_space_2"),
         nb::arg("rs2_type"), nb::arg("reserve_space_3"), nb::arg("rs3_type"), nb::arg("epsilon"),
         nb::arg("data_format"), nb::arg("is_training"), nb::arg("dy_type"));
-  m.def("moments", &Moments, nb::arg("x"), nb::arg("x_type"), nb::arg("axes"),
-        nb::arg("keepdims"));
+  m.def("moments", &Moments, nb::arg("x"), nb::arg("x_type"), nb::arg("axes"), nb::arg("keepdims"));
   m.def("batch_normalization", &BatchNormalization, nb::arg("x"), nb::arg("x_type"),
         nb::arg("mean"), nb::arg("mean_type"), nb::arg("variance"), nb::arg("variance_type"),
         nb::arg("offset").none(), nb::arg("offset_type"), nb::arg("scale").none(),

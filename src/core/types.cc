@@ -46,7 +46,8 @@ const char* TensorFormatName(TensorFormat format) {
   return "unknown";
 }
 
-Shape::Shape(std::initializer_list<int64_t> dims) : Shape(dims.begin(), static_cast<int>(dims.size())) {}
+Shape::Shape(std::initializer_list<int64_t> dims)
+    : Shape(dims.begin(), static_cast<int>(dims.size())) {}
 
 Shape::Shape(const int64_t* dims, int rank) {
   // A rank beyond kMaxRank is remembered as kMaxRank + 1 so Validate() can reject it.

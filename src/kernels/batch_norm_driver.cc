@@ -58,9 +58,8 @@ struct RowPartition {
   int64_t tasks;
 };
 RowPartition PartitionRows(int64_t rows, double row_bytes) {
-  const int64_t wanted =
-      ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
-                 std::min<int64_t>(rows, kMaxReduceTasks));
+  const int64_t wanted = ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
+                                    std::min<int64_t>(rows, kMaxReduceTasks));
   const int64_t per = CeilDiv(rows, wanted);
   return {per, CeilDiv(rows, per)};
 }
@@ -247,8 +246,7 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
 }
 
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
-                    const void* mean, const void* k1, void* dx, double* sum_dy,
-                    double* sum_dy_xc) {
+                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc) {
   ReduceImpl(dtype, g, dy, x, mean, k1, dx, sum_dy, sum_dy_xc);
 }
 

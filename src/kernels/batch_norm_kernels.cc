@@ -455,8 +455,8 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
 
 template <typename T>
 void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1,
-                       const void* mv, const void* k1v, const void* k2v, const void* k0v,
-                       void* dxv, bool stream) {
+                       const void* mv, const void* k1v, const void* k2v, const void* k0v, void* dxv,
+                       bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);

@@ -53,7 +53,8 @@ inline Half ToHalf(float f) {
   const uint32_t u = FloatToBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return Half{static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu))};
+  if (abs > 0x7F800000u)
+    return Half{static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu))};
   if (abs >= 0x477FF000u) return Half{static_cast<uint16_t>(sign | 0x7C00u)};  // rounds to inf
   if (abs < 0x38800000u) {
     // Result is subnormal or zero: round abs * 2^24 to an integer, ties to even.

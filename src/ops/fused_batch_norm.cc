@@ -24,9 +24,11 @@ Status ValidateForward(OpVersion version, const FusedBatchNormInputs& in,
                                {in.scale.dtype, in.offset.dtype, in.mean.dtype, in.variance.dtype});
   if (!s.ok()) return s;
   if (!(s = ops::CheckFormat(attrs.data_format, version)).ok()) return s;
-  const std::pair<const ConstTensorView*, const char*> tensors[] = {
-      {&in.x, "x"}, {&in.scale, "scale"}, {&in.offset, "offset"}, {&in.mean, "mean"},
-      {&in.variance, "variance"}};
+  const std::pair<const ConstTensorView*, const char*> tensors[] = {{&in.x, "x"},
+                                                                    {&in.scale, "scale"},
+                                                                    {&in.offset, "offset"},
+                                                                    {&in.mean, "mean"},
+                                                                    {&in.variance, "variance"}};
   for (const auto& [t, name] : tensors) {
     if (!(s = CheckTensor(*t, name)).ok()) return s;
   }
@@ -54,7 +56,8 @@ Status ValidateForward(OpVersion version, const FusedBatchNormInputs& in,
                            " must have the same number of elements as the channels of x, got " +
                            std::to_string(got) + " and " + std::to_string(C));
   };
-  if (in.scale.shape.num_elements() != C) return count_error("scale", in.scale.shape.num_elements());
+  if (in.scale.shape.num_elements() != C)
+    return count_error("scale", in.scale.shape.num_elements());
   if (in.offset.shape.num_elements() != C) {
     return count_error("offset", in.offset.shape.num_elements());
   }

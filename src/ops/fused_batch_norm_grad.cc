@@ -36,8 +36,10 @@ Status ValidateGrad(OpVersion version, const FusedBatchNormGradInputs& in,
   }
   if (!(s = ops::CheckFormat(attrs.data_format, version)).ok()) return s;
   const std::pair<const ConstTensorView*, const char*> tensors[] = {
-      {&in.y_backprop, "y_backprop"}, {&in.x, "x"},
-      {&in.scale, "scale"},           {&in.reserve_space_1, "reserve_space_1"},
+      {&in.y_backprop, "y_backprop"},
+      {&in.x, "x"},
+      {&in.scale, "scale"},
+      {&in.reserve_space_1, "reserve_space_1"},
       {&in.reserve_space_2, "reserve_space_2"}};
   for (const auto& [tensor, name] : tensors) {
     if (!(s = ops::CheckTensor(*tensor, name)).ok()) return s;
@@ -76,7 +78,8 @@ Status ValidateGrad(OpVersion version, const FusedBatchNormGradInputs& in,
                            " must have the same number of elements as the channels of x, got " +
                            std::to_string(got) + " and " + std::to_string(C));
   };
-  if (in.scale.shape.num_elements() != C) return count_error("scale", in.scale.shape.num_elements());
+  if (in.scale.shape.num_elements() != C)
+    return count_error("scale", in.scale.shape.num_elements());
   if (in.reserve_space_1.shape.num_elements() != C) {
     return count_error("reserve_space_1", in.reserve_space_1.shape.num_elements());
   }
@@ -117,8 +120,8 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
     k1[c] = static_cast<U>(static_cast<double>(scale[c]) * inv[c]);
   }
   if (attrs.is_training) {
-    kernels::BackwardTraining(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, inv, k1, k2,
-                              k0, sum_dy, sum_dy_xc, out.x_backprop.data);
+    kernels::BackwardTraining(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, inv, k1, k2, k0,
+                              sum_dy, sum_dy_xc, out.x_backprop.data);
   } else {
     kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
                             out.x_backprop.data, sum_dy, sum_dy_xc);

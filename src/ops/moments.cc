@@ -218,8 +218,8 @@ Status BatchNormalization(const ConstTensorView& x, const ConstTensorView& mean,
       Odometer<5>(x.shape.rank(), x.shape.dims(), strides, [&](int64_t, const int64_t* off) {
         double inv = 1.0 / std::sqrt(Load<T>(variance.data, off[2]) + eps);
         if (use_scale) inv *= Load<T>(scale.data, off[4]);
-        const double shift = (use_offset ? Load<T>(offset.data, off[3]) : 0.0) -
-                             Load<T>(mean.data, off[1]) * inv;
+        const double shift =
+            (use_offset ? Load<T>(offset.data, off[3]) : 0.0) - Load<T>(mean.data, off[1]) * inv;
         StoreD<T>(y.data, off[0], Load<T>(x.data, off[0]) * inv + shift);
       });
     });

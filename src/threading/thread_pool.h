@@ -19,7 +19,8 @@ void ParallelForRaw(int64_t num_tasks, int max_threads, TaskFn fn, void* context
 template <typename F>
 void ParallelFor(int64_t num_tasks, int max_threads, F&& f) {
   auto trampoline = [](void* context, int64_t task) { (*static_cast<F*>(context))(task); };
-  ParallelForRaw(num_tasks, max_threads, trampoline, const_cast<void*>(static_cast<const void*>(&f)));
+  ParallelForRaw(num_tasks, max_threads, trampoline,
+                 const_cast<void*>(static_cast<const void*>(&f)));
 }
 
 // The thread count that SetNumThreads() set (or the default).
