@@ -779,7 +779,7 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
 
     # Kernel targets.
     p("")
-    p("Kernel targets (fbn only; warm; DRAM-sized = T(f32) > %s):" % fmt_bytes(meta["dram_bytes"]))
+    p("Kernel targets (fbn only; warm; DRAM-sized = T(f32) >= %s):" % fmt_bytes(meta["dram_bytes"]))
     idx = {(r["id"], r["pass"], r["dtype"], r["layout"], r["cache"]): r for r in rows}
     dram_ids = sorted({r["id"] for r in rows if r["n"] * r["c"] * r["h"] * r["w"] * 4 >=
                        meta["dram_bytes"]})
