@@ -42,6 +42,26 @@ double* Scratch(size_t doubles) {
   return buffer.data();
 }
 
+std::vector<double>& MergeScratch(size_t doubles) {
+  thread_local std::vector<double> buffer;
+  if (buffer.size() < doubles) buffer.resize(doubles);
+  return buffer;
+}
+
+// Chan's merge weights of parts with counts count_of(i), merged in order: w[2i] = n_i / N_i and
+// w[2i+1] = N_{i-1} · n_i / N_i, where N_i is the running count.
+template <typename CountOf>
+void ChanWeights(int64_t parts, CountOf&& count_of, double* w) {
+  double count = 0;
+  for (int64_t i = 0; i < parts; ++i) {
+    const double nb = count_of(i);
+    const double total = count + nb;
+    w[2 * i] = nb / total;
+    w[2 * i + 1] = count * nb / total;
+    count = total;
+  }
+}
+
 const KernelEntry& Entry(DataType dtype) {
   return ActiveKernels().entries[static_cast<int>(dtype)];
 }
@@ -120,20 +140,23 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
       const int64_t r0 = t * p.rows_per_task;
       e.stats_rows(x, C, r0, std::min(rows, r0 + p.rows_per_task), s, s + C, s + 2 * C);
     });
+    // Every channel has the same per-task counts: Chan's weights once per task.
+    std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.tasks));
+    ChanWeights(p.tasks, [&](int64_t t) {
+      const int64_t r0 = t * p.rows_per_task;
+      return static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
+    }, w.data());
+    const double inv_count = 1.0 / static_cast<double>(rows);
     for (int64_t c = 0; c < C; ++c) {
-      double count = 0, mu = 0, m2 = 0;
+      double mu = 0, m2 = 0;
       for (int64_t t = 0; t < p.tasks; ++t) {
         const double* s = partial + slot * static_cast<size_t>(t);
-        const int64_t r0 = t * p.rows_per_task;
-        const double nb = static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
-        const double total = count + nb;
         const double delta = s[c] - mu;
-        mu += delta * (nb / total);
-        m2 += s[C + c] + delta * delta * (count * nb / total);
-        count = total;
+        mu += delta * w[2 * t];
+        m2 += s[C + c] + delta * delta * w[2 * t + 1];
       }
       mean[c] = mu;
-      variance[c] = m2 / count;
+      variance[c] = m2 * inv_count;
     }
     return;
   }
@@ -146,20 +169,22 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
       e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, s, s + 1);
     });
   });
+  std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.pieces));
+  ChanWeights(p.pieces, [&](int64_t piece) {
+    const int64_t v0 = piece * p.piece_len;
+    return static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
+  }, w.data());
+  const double inv_count = 1.0 / static_cast<double>(M);
   for (int64_t c = 0; c < C; ++c) {
-    double count = 0, mu = 0, m2 = 0;
+    double mu = 0, m2 = 0;
     for (int64_t piece = 0; piece < p.pieces; ++piece) {
       const double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
-      const int64_t v0 = piece * p.piece_len;
-      const double nb = static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
-      const double total = count + nb;
       const double delta = s[0] - mu;
-      mu += delta * (nb / total);
-      m2 += s[1] + delta * delta * (count * nb / total);
-      count = total;
+      mu += delta * w[2 * piece];
+      m2 += s[1] + delta * delta * w[2 * piece + 1];
     }
     mean[c] = mu;
-    variance[c] = m2 / count;
+    variance[c] = m2 * inv_count;
   }
 }
 

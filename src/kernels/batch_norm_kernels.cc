@@ -146,12 +146,25 @@ HWY_INLINE void ChanMerge(double& count, double& mean, double& m2, double nb, do
   count = total;
 }
 
+// Chan's merge for many channels that share the counts: the weights are computed once per block,
+// so the per-channel work has no division.
+struct MergeWeights {
+  double inv_nb;  // 1 / block count
+  double w;       // nb / (count + nb)
+  double v;       // count · nb / (count + nb)
+};
+HWY_INLINE MergeWeights WeightsFor(double count, double nb) {
+  const double total = count + nb;
+  return {1.0 / nb, nb / total, count * nb / total};
+}
+
 // Rows per block of a channels-last reduction: the block is re-read from cache by the second pass.
 HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes) {
   constexpr int64_t kBlockBytes = 48 * 1024;
   const int64_t row_bytes = channels * static_cast<int64_t>(elem_bytes);
   const int64_t rows = kBlockBytes / (row_bytes > 0 ? row_bytes : 1);
-  return rows < 8 ? 8 : (rows > 2048 ? 2048 : rows);
+  // At least 64 rows, so the per-channel merge is amortized over many rows even for wide C.
+  return rows < 64 ? 64 : (rows > 2048 ? 2048 : rows);
 }
 constexpr int64_t kRunBlock = 4096;  // elements per block of a channels-first reduction
 
@@ -217,12 +230,16 @@ void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, 
         bd2[c] += dd * dd;
       }
     }
+    const MergeWeights mw = WeightsFor(count, static_cast<double>(nb));
     for (int64_t c = 0; c < C; ++c) {
-      double bmean, bvar;
-      CorrectedBlock(static_cast<double>(nb), static_cast<double>(bm[c]),
-                     static_cast<double>(bd[c]), static_cast<double>(bd2[c]), bmean, bvar);
-      double cnt = count;
-      ChanMerge(cnt, mean[c], m2[c], static_cast<double>(nb), bmean, bvar);
+      // CorrectedBlock, then ChanMerge, with the shared weights.
+      const double sd = static_cast<double>(bd[c]);
+      const double bmean = static_cast<double>(bm[c]) + sd * mw.inv_nb;
+      double bvar = static_cast<double>(bd2[c]) - sd * sd * mw.inv_nb;
+      if (bvar < 0) bvar = 0;
+      const double delta = bmean - mean[c];
+      mean[c] += delta * mw.w;
+      m2[c] += bvar + delta * delta * mw.v;
     }
     count += static_cast<double>(nb);
   }
