@@ -77,9 +77,14 @@ struct RowPartition {
   int64_t rows_per_task;
   int64_t tasks;
 };
+// A task's fixed work is O(C) (zeroing and merging its per-channel partials), so it gets at least
+// this many rows to amortize it.
+constexpr int64_t kMinRowsPerTask = 64;
+
 RowPartition PartitionRows(int64_t rows, double row_bytes) {
-  const int64_t wanted = ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
-                                    std::min<int64_t>(rows, kMaxReduceTasks));
+  const int64_t wanted =
+      ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
+                 std::min<int64_t>(CeilDiv(rows, kMinRowsPerTask), kMaxReduceTasks));
   const int64_t per = CeilDiv(rows, wanted);
   return {per, CeilDiv(rows, per)};
 }
