@@ -147,10 +147,13 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
     });
     // Every channel has the same per-task counts: Chan's weights once per task.
     std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.tasks));
-    ChanWeights(p.tasks, [&](int64_t t) {
-      const int64_t r0 = t * p.rows_per_task;
-      return static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
-    }, w.data());
+    ChanWeights(
+        p.tasks,
+        [&](int64_t t) {
+          const int64_t r0 = t * p.rows_per_task;
+          return static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
+        },
+        w.data());
     const double inv_count = 1.0 / static_cast<double>(rows);
     for (int64_t c = 0; c < C; ++c) {
       double mu = 0, m2 = 0;
@@ -175,10 +178,13 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
     });
   });
   std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.pieces));
-  ChanWeights(p.pieces, [&](int64_t piece) {
-    const int64_t v0 = piece * p.piece_len;
-    return static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
-  }, w.data());
+  ChanWeights(
+      p.pieces,
+      [&](int64_t piece) {
+        const int64_t v0 = piece * p.piece_len;
+        return static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
+      },
+      w.data());
   const double inv_count = 1.0 / static_cast<double>(M);
   for (int64_t c = 0; c < C; ++c) {
     double mu = 0, m2 = 0;
@@ -224,6 +230,8 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   const size_t es = ElemBytes(dtype);
   const int threads =
       threading::ThreadsForWork((k1 ? 3 : 2) * g.elements() * static_cast<int64_t>(es));
+  // The frozen backward writes dx in the same sweep: stream it when it is large.
+  const bool stream = k1 != nullptr && StreamOutput(g, es);
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
@@ -235,7 +243,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
       double* s = partial + slot * static_cast<size_t>(t);
       const int64_t r0 = t * p.rows_per_task;
       e.reduce_rows(dy, x, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx,
-                    s + 2 * C);
+                    s + 2 * C, stream);
     });
     for (int64_t c = 0; c < C; ++c) {
       double s0 = 0, s1 = 0;

@@ -381,7 +381,8 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 // are added to the double sums once per block.
 template <typename T>
 void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv,
-                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv, void* tmpv) {
+                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv, void* tmpv,
+                bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -394,6 +395,7 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t 
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t block = BlockRows(2 * C, sizeof(T));
   const int64_t cv = C - C % N;
+  const bool nt = k1 && stream && C % N == 0 && StreamAligned(d, dx + r0 * C);
   for (int64_t c = 0; c < C; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
@@ -405,7 +407,7 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t 
         const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
         hn::StoreU(hn::Add(hn::LoadU(d, s + c), g), d, s + c);
         hn::StoreU(hn::MulAdd(g, xc, hn::LoadU(d, t + c)), d, t + c);
-        if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c);
+        if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c, nt);
       }
       for (int64_t c = cv; c < C; ++c) {
         const A g = ToAcc(dy[o + c]);
@@ -419,6 +421,7 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t 
       sum_dy_xc[c] += static_cast<double>(t[c]);
     }
   }
+  if (nt) hwy::FlushStream();
 }
 
 // Channels-first: elements [v0, v1) of channel c (planes `plane_stride` apart from the channel's

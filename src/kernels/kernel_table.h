@@ -25,7 +25,7 @@ struct KernelEntry {
   // accumulators of scratch.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
                       const void* mean, double* sum_dy, double* sum_dy_xc, const void* k1, void* dx,
-                      void* tmp);
+                      void* tmp, bool stream);
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
                      double* sum_dy_xc, const void* k1, void* dx);
