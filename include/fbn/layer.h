@@ -18,6 +18,10 @@
 // `adjustment`. The fused path's moving variance tracks the Bessel-corrected batch variance, the
 // general path's the biased one, as in TensorFlow. Every call validates fully before anything is
 // written: a failed call leaves the variables as they were.
+//
+// Synchronized (options.synchronized, Keras's `synchronized=True`): several processes each call
+// the layer on their part of one batch, and training calls normalize with the statistics of the
+// whole (global) batch; see BatchNormalizationOptions::synchronized.
 #ifndef FBN_LAYER_H_
 #define FBN_LAYER_H_
 
@@ -29,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "fbn/distributed.h"
 #include "fbn/export.h"
 #include "fbn/graph.h"
 #include "fbn/initializers.h"
@@ -112,6 +117,26 @@ struct BatchNormalizationOptions {
   Adjustment adjustment;
   std::string name;  // "" is None: "batch_normalization", "batch_normalization_1", ...
   LayerBehavior behavior = LayerBehavior::kV1;
+
+  // Synchronized batch normalization over the members of `communicator` (null: fbn's default
+  // communicator, MPI_COMM_WORLD when the program includes fbn/mpi.h and links fbn::mpi). Each
+  // member calls the layer on its part of the batch (split along dimension 0; parts may differ in
+  // size and be empty). Training calls then use the mean and variance of the global batch, merged
+  // per channel from every member's count, mean and centred sum of squares in rank order, and
+  // Backward uses the global sums of the gradient terms: outputs and dx are those of the layer
+  // called on the whole batch, and the moving statistics (and renorm's) are identical on every
+  // member. dgamma and dbeta are this member's contributions (their sum over the members is the
+  // whole batch's gradient), as a data-parallel optimizer that all-reduces gradients expects.
+  // Training calls and their Backward are collective (fbn/distributed.h): every member makes them
+  // in the same order; a mismatch between members (channel count, dtype, call order) or a member
+  // whose call fails before its exchange is an error on every member. Inference calls exchange
+  // nothing. With one member the layer is the unsynchronized layer, bit for bit.
+  // Paths: kKerasV2 follows Keras (fused=None resolves to false; fused=true is an error); kV1
+  // keeps its fused/general choice and synchronizes either path. With virtual_batch_size, the
+  // virtual batches with the same index are merged across members (every member needs the same
+  // number of them): the layer on the whole batch with virtual_batch_size·members.
+  bool synchronized = false;
+  std::shared_ptr<Communicator> communicator;
 };
 
 // Gradients of the last call's output: dx in the input's dtype, dgamma/dbeta in the parameter
@@ -176,6 +201,8 @@ class FBN_API BatchNormalization {
   std::vector<std::shared_ptr<UpdateOp>> updates() const;
 
  private:
+  Tensor CallImpl(const ConstTensorView& inputs, const Training& training, Communicator* sync);
+
   friend FBN_API Tensor ApplyBatchNormalization(const ConstTensorView&,
                                                 const BatchNormalizationOptions&, const Training&,
                                                 std::optional<bool>,

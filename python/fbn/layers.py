@@ -18,7 +18,20 @@ names (``"glorot_uniform"``, ``"l2"``, ``"max_norm"``, ...), the objects of
 ``fbn.layers.initializers``/``regularizers``/``constraints``, or Python callables: an initializer
 is called as ``init(shape, dtype)``, a regularizer as ``reg(value)`` (a scalar back), a constraint
 as ``constraint(value)``, ``adjustment(shape)`` with the input's shape as an int32 array.
+
+Synchronized batch normalization (data-parallel training over MPI, with mpi4py)::
+
+    from mpi4py import MPI
+    bn = fbn.layers.BatchNormalization(synchronized=True, communicator=MPI.COMM_WORLD)
+    y = bn(local_x, training=True)    # statistics of the global batch (every rank's local_x)
+    dx, grads = bn.backward(local_dy) # dx from the global sums; grads: this rank's contributions
+
+Every rank calls the layer on its part of the batch; training calls and their backward passes are
+collective (the same calls, in the same order, on every rank). ``communicator=None`` means mpi4py's
+``MPI.COMM_WORLD``. A communicator of more than one process needs fbn built with
+``-DFBN_WITH_MPI=ON``; with one process the layer is the unsynchronized layer, bit for bit.
 """
+import sys
 import types
 
 import numpy as np
@@ -28,10 +41,11 @@ from ._arrays import as_input, from_output
 from .graph import get_default_graph
 
 __all__ = ["BatchNormalization", "BatchNormalizationV2", "batch_normalization", "BatchNorm",
-           "batch_norm", "TrainingFlag", "initializers", "regularizers", "constraints",
-           "zeros_initializer", "ones_initializer"]
+           "batch_norm", "TrainingFlag", "Communicator", "initializers", "regularizers",
+           "constraints", "zeros_initializer", "ones_initializer"]
 
 TrainingFlag = _fbn.TrainingFlag
+Communicator = _fbn.Communicator
 
 
 # ----------------------------------------------------------------------------- built-ins
@@ -156,10 +170,53 @@ def _training(training):
     return bool(training)
 
 
+def _mpi4py_module():
+    try:
+        from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    return MPI
+
+
+def _communicator(communicator):
+    """The fbn Communicator for a synchronized layer's ``communicator`` argument: an mpi4py
+    communicator, None (mpi4py's ``MPI.COMM_WORLD``), or an ``fbn.layers.Communicator``."""
+    if isinstance(communicator, _fbn.Communicator):
+        return communicator
+    MPI = sys.modules.get("mpi4py.MPI") if communicator is not None else _mpi4py_module()
+    if communicator is None:
+        if MPI is None:
+            raise ValueError(
+                "synchronized=True with communicator=None synchronizes over mpi4py's "
+                "MPI.COMM_WORLD, but mpi4py is not installed (pip install mpi4py); pass an mpi4py "
+                "communicator, or use synchronized=False")
+        communicator = MPI.COMM_WORLD
+    if MPI is None or not isinstance(communicator, MPI.Comm):
+        raise TypeError("`communicator` must be an mpi4py communicator (mpi4py.MPI.Comm), got "
+                        f"{communicator!r}")
+    if communicator == MPI.COMM_NULL:
+        raise ValueError("`communicator` is MPI.COMM_NULL")
+    if _fbn._with_mpi:
+        ours, theirs = _fbn._mpi_library_version(), MPI.Get_library_version()
+        if ours != theirs:
+            raise ValueError(
+                f"fbn was built with the MPI library {ours.splitlines()[0]!r} but mpi4py uses "
+                f"{theirs.splitlines()[0]!r}; their communicators are not interchangeable")
+        return _fbn._mpi_communicator(MPI._addressof(communicator))  # pylint: disable=protected-access
+    size = communicator.Get_size()
+    if size == 1:
+        return _fbn._single_process_communicator()
+    raise ValueError(
+        f"fbn was built without MPI (FBN_WITH_MPI=OFF), so it cannot synchronize the {size} "
+        "processes of this communicator; build it with -DFBN_WITH_MPI=ON (pip: "
+        "-C cmake.define.FBN_WITH_MPI=ON)")
+
+
 def _layer_args(axis, momentum, epsilon, center, scale, beta_initializer, gamma_initializer,
                 moving_mean_initializer, moving_variance_initializer, beta_regularizer,
                 gamma_regularizer, beta_constraint, gamma_constraint, renorm, renorm_clipping,
-                renorm_momentum, fused, trainable, virtual_batch_size, adjustment, name, keras_v2):
+                renorm_momentum, fused, trainable, virtual_batch_size, adjustment, name, keras_v2,
+                synchronized=False, communicator=None):
     # Errors TensorFlow raises after naming the layer are deferred (returned) so that the layer
     # is created first and takes its name, as there.
     error = None
@@ -209,13 +266,22 @@ def _layer_args(axis, momentum, epsilon, center, scale, beta_initializer, gamma_
         a.adjustment = adjustment
     a.name = "" if name is None else str(name)
     a.keras_v2 = keras_v2
+    a.synchronized = bool(synchronized)
+    if synchronized:
+        a.communicator = _communicator(communicator)
+    elif communicator is not None:
+        raise ValueError("`communicator` is only used with synchronized=True")
     return a, error
 
 
 class BatchNormalization:
     """``tf.compat.v1.layers.BatchNormalization`` (V1 behaviour: ``fused=None`` means fused where
     possible with a silent fallback; ``trainable`` only chooses collections; ``training``
-    defaults to False)."""
+    defaults to False).
+
+    fbn extension: ``synchronized=True`` normalizes training calls with the statistics of the
+    global batch spread over the processes of ``communicator`` (an mpi4py communicator; None:
+    ``MPI.COMM_WORLD``), on the fused or the general path alike (see the module docstring)."""
 
     _KERAS_V2 = False
 
@@ -226,6 +292,9 @@ class BatchNormalization:
                  gamma_regularizer=None, beta_constraint=None, gamma_constraint=None,
                  renorm=False, renorm_clipping=None, renorm_momentum=0.99, fused=None,
                  trainable=True, virtual_batch_size=None, adjustment=None, name=None, **kwargs):
+        # fbn's extensions stay keyword-only extras: the signature is TensorFlow's.
+        synchronized = kwargs.pop("synchronized", False)
+        communicator = kwargs.pop("communicator", None)
         for key in kwargs:
             raise TypeError(f"Keyword argument not understood: {key}")
         args, error = _layer_args(axis, momentum, epsilon, center, scale, beta_initializer,
@@ -233,7 +302,8 @@ class BatchNormalization:
                                   moving_variance_initializer, beta_regularizer,
                                   gamma_regularizer, beta_constraint, gamma_constraint, renorm,
                                   renorm_clipping, renorm_momentum, fused, trainable,
-                                  virtual_batch_size, adjustment, name, self._KERAS_V2)
+                                  virtual_batch_size, adjustment, name, self._KERAS_V2,
+                                  synchronized, communicator)
         self._layer = _fbn.BatchNormalizationLayer(args)
         if error is not None:
             raise error
@@ -259,6 +329,12 @@ class BatchNormalization:
             self.renorm_momentum = values["renorm_momentum"]
         self.virtual_batch_size = values["virtual_batch_size"]
         self.adjustment = values["adjustment"]
+        self.synchronized = bool(values["synchronized"])
+        # The mpi4py communicator (kept alive: the layer holds a copy of its MPI handle).
+        self.communicator = values["communicator"]
+        if self.synchronized and self.communicator is None:
+            MPI = sys.modules.get("mpi4py.MPI")
+            self.communicator = MPI.COMM_WORLD if MPI is not None else None
 
     # --- calling
 
@@ -347,8 +423,9 @@ class BatchNormalization:
 class BatchNormalizationV2(BatchNormalization):
     """``tf.keras.layers.BatchNormalization`` (V2): ``fused=True`` raises where the fused path
     cannot serve, ``trainable=False`` makes every call an inference call, ``training`` defaults
-    to None (the learning phase). ``synchronized`` has one replica here, so it changes nothing
-    but forbids ``fused=True``."""
+    to None (the learning phase). ``synchronized=True`` synchronizes over ``communicator`` (an
+    mpi4py communicator; None: ``MPI.COMM_WORLD``) and, as in Keras, forbids ``fused=True`` and
+    uses the non-fused path."""
 
     _KERAS_V2 = True
 
@@ -359,8 +436,6 @@ class BatchNormalizationV2(BatchNormalization):
                  gamma_constraint=None, synchronized=False, **kwargs):
         if synchronized and kwargs.get("fused"):
             raise ValueError("`fused=True` is not supported when `synchronized=True`.")
-        if synchronized:
-            kwargs["fused"] = False
         super().__init__(axis=axis, momentum=momentum, epsilon=epsilon, center=center,
                          scale=scale, beta_initializer=beta_initializer,
                          gamma_initializer=gamma_initializer,
@@ -368,8 +443,7 @@ class BatchNormalizationV2(BatchNormalization):
                          moving_variance_initializer=moving_variance_initializer,
                          beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
                          beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
-                         **kwargs)
-        self.synchronized = synchronized
+                         synchronized=synchronized, **kwargs)
 
     def __call__(self, inputs, training=None):
         return super().__call__(inputs, training=training)

@@ -5,6 +5,10 @@
 //
 // The GIL is held throughout: layer calls may invoke Python callables (initializers,
 // regularizers, constraints, adjustment).
+//
+// Synchronized layers take an fbn Communicator: fbn.layers turns an mpi4py communicator into one
+// through _mpi_communicator (only in a build with FBN_WITH_MPI, which links MPI) or, for a group
+// of one, _single_process_communicator (any build).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
@@ -21,11 +25,18 @@
 #include <utility>
 #include <vector>
 
+#include "fbn/distributed.h"
 #include "fbn/graph.h"
 #include "fbn/initializers.h"
 #include "fbn/layer.h"
 #include "fbn/optimizer.h"
 #include "fbn/tensor.h"
+
+#ifdef FBN_PYTHON_WITH_MPI
+#include <mpi.h>
+
+#include "fbn/mpi.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -239,6 +250,8 @@ struct LayerArgs {
   nb::object adjustment = nb::none();
   std::string name;
   bool keras_v2 = false;
+  bool synchronized = false;
+  std::shared_ptr<fbn::Communicator> communicator;
 };
 
 fbn::BatchNormalizationOptions ToOptions(const LayerArgs& a) {
@@ -265,6 +278,8 @@ fbn::BatchNormalizationOptions ToOptions(const LayerArgs& a) {
   if (!a.adjustment.is_none()) o.adjustment = AdjustmentFromCallable(a.adjustment);
   o.name = a.name;
   o.behavior = a.keras_v2 ? fbn::LayerBehavior::kKerasV2 : fbn::LayerBehavior::kV1;
+  o.synchronized = a.synchronized;
+  o.communicator = a.communicator;
   return o;
 }
 
@@ -385,6 +400,29 @@ void BindLayers(nb::module_& m) {
              g.AddToCollection(key, std::move(o));
            });
 
+  // --- Communicators of synchronized layers.
+  nb::class_<fbn::Communicator>(m, "Communicator")
+      .def_prop_ro("rank", &fbn::Communicator::rank)
+      .def_prop_ro("size", &fbn::Communicator::size);
+  m.def("_single_process_communicator", &fbn::SingleProcessCommunicator);
+#ifdef FBN_PYTHON_WITH_MPI
+  m.attr("_with_mpi") = true;
+  // The MPI library fbn was built with, to compare with mpi4py's (handles are not portable).
+  m.def("_mpi_library_version", [] {
+    char text[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(text, &len);
+    return std::string(text, static_cast<size_t>(len));
+  });
+  // `address`: mpi4py's MPI._addressof(comm), the address of the communicator's MPI_Comm handle.
+  m.def("_mpi_communicator", [](uintptr_t address) {
+    if (address == 0) throw fbn::ValueError("null MPI_Comm address");
+    return fbn::mpi::MakeCommunicator(*reinterpret_cast<const MPI_Comm*>(address));
+  });
+#else
+  m.attr("_with_mpi") = false;
+#endif
+
   // --- Training flag and the layer.
   nb::class_<fbn::TrainingFlag>(m, "TrainingFlag")
       .def(nb::init<bool>(), nb::arg("value") = false)
@@ -419,7 +457,9 @@ void BindLayers(nb::module_& m) {
       .def_rw("virtual_batch_size", &LayerArgs::virtual_batch_size)
       .def_rw("adjustment", &LayerArgs::adjustment)
       .def_rw("name", &LayerArgs::name)
-      .def_rw("keras_v2", &LayerArgs::keras_v2);
+      .def_rw("keras_v2", &LayerArgs::keras_v2)
+      .def_rw("synchronized", &LayerArgs::synchronized)
+      .def_rw("communicator", &LayerArgs::communicator);
 
   using Layer = fbn::layers::BatchNormalization;
   nb::class_<Layer>(m, "BatchNormalizationLayer")

@@ -8,6 +8,8 @@
 #include <string>
 #include <utility>
 
+#include "distributed/exchange.h"
+#include "fbn/distributed.h"
 #include "fbn/layer.h"
 #include "fbn/ops.h"
 #include "layer/general_path.h"
@@ -150,6 +152,53 @@ void MovingAverageAny(Variable* var, const std::vector<double>& value, double mo
   }
 }
 
+// The message of the exception being handled (inside a catch block).
+std::string CurrentExceptionText() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
+}
+
+// The general path's statistics exchange for a synchronized layer (fbn/distributed.h's protocol).
+class LayerSync final : public layer_impl::StatsSync {
+ public:
+  LayerSync(Communicator* comm, DataType dtype, uint64_t* tag, bool* exchanged)
+      : comm_(comm), dtype_(dtype), tag_(tag), exchanged_(exchanged) {}
+
+  void MergeMoments(int64_t count, std::vector<double>* mean, std::vector<double>* m2,
+                    int64_t* total) override {
+    distributed::Gathered g = Exchange(distributed::Pass::kForward, count, *mean, *m2);
+    distributed::MergeMoments(g, mean->data(), m2->data(), total);
+  }
+
+  void SumGradients(int64_t count, std::vector<double>* sum_g, std::vector<double>* sum_gx,
+                    int64_t* total) override {
+    distributed::Gathered g = Exchange(distributed::Pass::kBackward, count, *sum_g, *sum_gx);
+    distributed::SumPartials(g, sum_g->data(), sum_gx->data(), total);
+  }
+
+ private:
+  distributed::Gathered Exchange(distributed::Pass pass, int64_t count,
+                                 const std::vector<double>& a, const std::vector<double>& b) {
+    std::vector<double> partials(a);
+    partials.insert(partials.end(), b.begin(), b.end());
+    distributed::Gathered g;
+    *exchanged_ = true;
+    const distributed::PassInfo info{pass, dtype_, static_cast<int64_t>(a.size()), (*tag_)++};
+    ThrowIfError(distributed::Exchange(*comm_, info, count, partials.data(), &g));
+    return g;
+  }
+
+  Communicator* comm_;
+  DataType dtype_;
+  uint64_t* tag_;
+  bool* exchanged_;
+};
+
 }  // namespace
 
 namespace layers {
@@ -188,6 +237,7 @@ struct BatchNormalization::Impl {
   struct Record {
     bool fused = false;
     bool batch_stats = false;
+    bool synced = false;  // batch statistics of a synchronized group of more than one member
     DataType input_dtype = DataType::kFloat32;
     Tensor x;  // in the layer dtype
     // Fused path: the grad op's inputs.
@@ -197,6 +247,20 @@ struct BatchNormalization::Impl {
     layer_impl::GeneralSaved saved;
   };
   std::optional<Record> last;
+
+  // Synchronized layers: the communicator (resolved at the first synchronized pass), the tag of
+  // the next exchange (every member counts its passes alike), and whether the pass in progress
+  // has taken part in its exchange.
+  mutable std::shared_ptr<Communicator> comm;
+  mutable uint64_t sync_tag = 0;
+  mutable bool exchanged = false;
+
+  // The communicator of a pass with batch statistics, when synchronized over more than one member;
+  // null otherwise (a group of one runs the unsynchronized code).
+  Communicator* SyncFor(bool batch_stats) const;
+  // A synchronized pass that failed on this member before its exchange still takes part in it,
+  // so that the other members fail too instead of waiting.
+  void FailPass(distributed::Pass pass, const std::string& message) const;
 
   // What building for an input decides, before anything is created.
   struct Plan {
@@ -213,16 +277,31 @@ struct BatchNormalization::Impl {
                                       bool trainable_weight);
   void CheckInputSpec(const Shape& shape) const;
   int64_t Groups(const Shape& shape, bool training_now, bool dynamic) const;
-  Tensor FusedForward(const Tensor& x, bool training_now, bool dynamic, Record* rec,
-                      std::vector<std::shared_ptr<UpdateOp>>* ops, const std::string& op_scope);
+  Tensor FusedForward(const Tensor& x, bool training_now, bool dynamic, Communicator* sync,
+                      Record* rec, std::vector<std::shared_ptr<UpdateOp>>* ops,
+                      const std::string& op_scope);
   template <typename T>
   Tensor GeneralForward(const Tensor& x, const Shape& input_shape, bool training_now, bool dynamic,
-                        Record* rec, std::vector<std::shared_ptr<UpdateOp>>* ops,
-                        const std::string& op_scope);
+                        Communicator* sync, Record* rec,
+                        std::vector<std::shared_ptr<UpdateOp>>* ops, const std::string& op_scope);
+  BatchNormalizationGradients BackwardPass(const ConstTensorView& dy, Communicator* sync) const;
   std::shared_ptr<UpdateOp> MakeOp(const std::string& name, std::shared_ptr<Variable> var,
                                    std::function<void()> apply,
                                    std::vector<std::shared_ptr<UpdateOp::Dependency>> deps);
 };
+
+Communicator* BatchNormalization::Impl::SyncFor(bool batch_stats) const {
+  if (!opt.synchronized || !batch_stats) return nullptr;
+  if (!comm) comm = opt.communicator ? opt.communicator : DefaultCommunicator();
+  return comm->size() > 1 ? comm.get() : nullptr;
+}
+
+void BatchNormalization::Impl::FailPass(distributed::Pass pass, const std::string& message) const {
+  if (exchanged || !comm) return;
+  exchanged = true;
+  distributed::ExchangeFailure(*comm, distributed::PassInfo{pass, dtype, 0, sync_tag++},
+                               "layer \"" + name + "\": " + message);
+}
 
 BatchNormalization::Impl::Plan BatchNormalization::Impl::MakePlan(const Shape& shape,
                                                                   DataType input_dtype) const {
@@ -432,7 +511,7 @@ std::shared_ptr<UpdateOp> BatchNormalization::Impl::MakeOp(
 }
 
 Tensor BatchNormalization::Impl::FusedForward(const Tensor& x, bool training_now, bool dynamic,
-                                              Record* rec,
+                                              Communicator* sync, Record* rec,
                                               std::vector<std::shared_ptr<UpdateOp>>* ops,
                                               const std::string& op_scope) {
   // Constants 1 and 0 stand in for a missing gamma or beta, as TensorFlow's layer does.
@@ -451,13 +530,19 @@ Tensor BatchNormalization::Impl::FusedForward(const Tensor& x, bool training_now
   ThrowIfError(FusedBatchNormOutputSpecs(OpVersion::kV3, in, attrs, specs, &n));
   std::vector<Tensor> outs;
   for (int i = 0; i < n; ++i) outs.emplace_back(specs[i].dtype, specs[i].shape);
-  ThrowIfError(
-      FusedBatchNorm(OpVersion::kV3, in, attrs,
-                     FusedBatchNormOutputs{outs[0].view(), outs[1].view(), outs[2].view(),
-                                           outs[3].view(), outs[4].view(), outs[5].view()}));
+  const FusedBatchNormOutputs out_views{outs[0].view(), outs[1].view(), outs[2].view(),
+                                        outs[3].view(), outs[4].view(), outs[5].view()};
+  if (sync) {
+    // Global statistics; the moving averages below follow them identically on every member.
+    exchanged = true;
+    ThrowIfError(SyncFusedBatchNorm(*sync, OpVersion::kV3, in, attrs, out_views, sync_tag++));
+  } else {
+    ThrowIfError(FusedBatchNorm(OpVersion::kV3, in, attrs, out_views));
+  }
 
   rec->fused = true;
   rec->batch_stats = training_now;
+  rec->synced = sync != nullptr;
   rec->scale = scale;
   if (training_now) {
     rec->rs1 = outs[3];
@@ -486,7 +571,8 @@ Tensor BatchNormalization::Impl::FusedForward(const Tensor& x, bool training_now
 
 template <typename T>
 Tensor BatchNormalization::Impl::GeneralForward(const Tensor& x, const Shape& input_shape,
-                                                bool training_now, bool dynamic, Record* rec,
+                                                bool training_now, bool dynamic, Communicator* sync,
+                                                Record* rec,
                                                 std::vector<std::shared_ptr<UpdateOp>>* ops,
                                                 const std::string& op_scope) {
   const int64_t groups = Groups(input_shape, training_now, dynamic);
@@ -528,7 +614,10 @@ Tensor BatchNormalization::Impl::GeneralForward(const Tensor& x, const Shape& in
     p.dmax = opt.renorm_clipping.dmax;
   }
   layer_impl::GeneralOutputs<T> out;
-  layer_impl::GeneralForward<T>(geo, xs.data(), p, training_now, &out);
+  std::optional<LayerSync> layer_sync;
+  if (sync) layer_sync.emplace(sync, dtype, &sync_tag, &exchanged);
+  layer_impl::GeneralForward<T>(geo, xs.data(), p, training_now, &out,
+                                layer_sync ? &*layer_sync : nullptr);
 
   // The output, in the layer dtype (16-bit layers compute in float and round once).
   Tensor y(dtype, input_shape);
@@ -536,6 +625,7 @@ Tensor BatchNormalization::Impl::GeneralForward(const Tensor& x, const Shape& in
 
   rec->fused = false;
   rec->batch_stats = training_now;
+  rec->synced = sync != nullptr;
   rec->geometry = geo;
   layer_impl::GeneralSaved& s = rec->saved;
   s.batch_stats = training_now;
@@ -619,6 +709,13 @@ BatchNormalization::BatchNormalization(BatchNormalizationOptions options)
         "Expected an int or a list/tuple of ints for the argument 'axis', but "
         "received: []");
   }
+  if (m.opt.synchronized && m.opt.behavior == LayerBehavior::kKerasV2) {
+    // Keras: the synchronized layer is never fused.
+    if (m.opt.fused.value_or(false)) {
+      throw ValueError("`fused=True` is not supported when `synchronized=True`.");
+    }
+    m.opt.fused = false;
+  }
   m.trainable = m.opt.trainable;
   m.fused = m.opt.fused;
   if (m.opt.behavior == LayerBehavior::kKerasV2) {
@@ -643,6 +740,24 @@ BatchNormalization::BatchNormalization(BatchNormalizationOptions options)
 BatchNormalization::~BatchNormalization() = default;
 
 Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& training) {
+  Impl& m = *impl_;
+  // A synchronized call with batch statistics is collective: if it fails here before its
+  // exchange, the other members learn of it from a failure record instead of waiting for one.
+  const bool batch_stats =
+      training.value() && !(m.opt.behavior == LayerBehavior::kKerasV2 && !m.trainable);
+  Communicator* sync = m.SyncFor(batch_stats);
+  if (!sync) return CallImpl(inputs, training, nullptr);
+  m.exchanged = false;
+  try {
+    return CallImpl(inputs, training, sync);
+  } catch (...) {
+    m.FailPass(distributed::Pass::kForward, CurrentExceptionText());
+    throw;
+  }
+}
+
+Tensor BatchNormalization::CallImpl(const ConstTensorView& inputs, const Training& training,
+                                    Communicator* sync) {
   Impl& m = *impl_;
   // Validate the input view itself.
   if (static_cast<int>(inputs.dtype) < 0 || static_cast<int>(inputs.dtype) > 3) {
@@ -721,11 +836,11 @@ Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& t
     const std::string op_scope =
         graph ? graph->UniqueOpName(scope_name) : (m.opt.name.empty() ? m.eager_scope : m.name);
     if (*m.fused) {
-      y = m.FusedForward(x, training_now, dynamic, &rec, &ops, op_scope);
+      y = m.FusedForward(x, training_now, dynamic, sync, &rec, &ops, op_scope);
     } else if (m.param_dtype == DataType::kFloat64) {
-      y = m.GeneralForward<double>(x, shape, training_now, dynamic, &rec, &ops, op_scope);
+      y = m.GeneralForward<double>(x, shape, training_now, dynamic, sync, &rec, &ops, op_scope);
     } else {
-      y = m.GeneralForward<float>(x, shape, training_now, dynamic, &rec, &ops, op_scope);
+      y = m.GeneralForward<float>(x, shape, training_now, dynamic, sync, &rec, &ops, op_scope);
     }
     rec.x = std::move(x);
     rec.input_dtype = inputs.dtype;
@@ -748,6 +863,21 @@ Tensor BatchNormalization::Call(const ConstTensorView& inputs, const Training& t
 
 BatchNormalizationGradients BatchNormalization::Backward(const ConstTensorView& dy) const {
   const Impl& m = *impl_;
+  // The backward pass of a synchronized training call is collective, like the call.
+  Communicator* sync = (m.last && m.last->synced) ? m.comm.get() : nullptr;
+  if (!sync) return m.BackwardPass(dy, nullptr);
+  m.exchanged = false;
+  try {
+    return m.BackwardPass(dy, sync);
+  } catch (...) {
+    m.FailPass(distributed::Pass::kBackward, CurrentExceptionText());
+    throw;
+  }
+}
+
+BatchNormalizationGradients BatchNormalization::Impl::BackwardPass(const ConstTensorView& dy,
+                                                                   Communicator* sync) const {
+  const Impl& m = *this;
   if (!m.last) {
     throw Error(
         InvalidArgument("Backward needs a previous successful call of layer \"" + m.name + "\""));
@@ -775,17 +905,25 @@ BatchNormalizationGradients BatchNormalization::Backward(const ConstTensorView& 
     ThrowIfError(FusedBatchNormGradOutputSpecs(OpVersion::kV3, in, attrs, specs, &n));
     std::vector<Tensor> outs;
     for (int i = 0; i < n; ++i) outs.emplace_back(specs[i].dtype, specs[i].shape);
-    ThrowIfError(
-        FusedBatchNormGrad(OpVersion::kV3, in, attrs,
-                           FusedBatchNormGradOutputs{outs[0].view(), outs[1].view(), outs[2].view(),
-                                                     outs[3].view(), outs[4].view()}));
+    const FusedBatchNormGradOutputs out_views{outs[0].view(), outs[1].view(), outs[2].view(),
+                                              outs[3].view(), outs[4].view()};
+    if (sync) {
+      m.exchanged = true;
+      ThrowIfError(
+          SyncFusedBatchNormGrad(*sync, OpVersion::kV3, in, attrs, out_views, m.sync_tag++));
+    } else {
+      ThrowIfError(FusedBatchNormGrad(OpVersion::kV3, in, attrs, out_views));
+    }
     grads.dx = std::move(outs[0]);
     if (m.gamma) grads.dgamma = outs[1].Reshaped(m.param_shape);
     if (m.beta) grads.dbeta = outs[2].Reshaped(m.param_shape);
   } else {
     const std::vector<double> x = rec.x.ToDoubles(), d = dy_t.ToDoubles();
     std::vector<double> dx, dgamma, dbeta;
-    layer_impl::GeneralBackward(rec.geometry, x.data(), d.data(), rec.saved, &dx, &dgamma, &dbeta);
+    std::optional<LayerSync> layer_sync;
+    if (sync) layer_sync.emplace(sync, m.dtype, &m.sync_tag, &m.exchanged);
+    layer_impl::GeneralBackward(rec.geometry, x.data(), d.data(), rec.saved, &dx, &dgamma, &dbeta,
+                                layer_sync ? &*layer_sync : nullptr);
     // dx is computed in the compute type (float for 16-bit layers) and rounded once.
     grads.dx = Tensor::FromDoubles(m.dtype, rec.x.shape(), dx);
     if (m.gamma) grads.dgamma = Tensor::FromDoubles(m.param_dtype, m.param_shape, dgamma);

@@ -39,9 +39,52 @@ Geometry::Geometry(const Shape& shape, const std::vector<int>& axes, int64_t gro
   }
 }
 
+namespace {
+
+// A synchronized layer's batch statistics: local moments around the local mean (in double),
+// merged across processes by `sync`.
+template <typename T>
+void SyncedMoments(const Geometry& g, const T* x, StatsSync* sync, GeneralOutputs<T>* out) {
+  const int64_t P = g.params(), S = g.slots();
+  const int64_t local = g.count();
+  std::vector<double> mean(static_cast<size_t>(S), 0.0), m2(static_cast<size_t>(S), 0.0);
+  g.ForEachRun([&](int64_t off, int64_t len, int64_t p0, int64_t pstep, int64_t grp) {
+    double* a = mean.data() + grp * P + p0;
+    if (pstep == 0) {
+      double s = 0.0;
+      for (int64_t j = 0; j < len; ++j) s += x[off + j];
+      *a += s;
+    } else {
+      for (int64_t j = 0; j < len; ++j) a[j] += x[off + j];
+    }
+  });
+  if (local > 0) {
+    for (double& v : mean) v /= static_cast<double>(local);
+  }
+  g.ForEachRun([&](int64_t off, int64_t len, int64_t p0, int64_t pstep, int64_t grp) {
+    const int64_t base = grp * P + p0;
+    for (int64_t j = 0; j < len; ++j) {
+      const double dev = double(x[off + j]) - mean[base + j * pstep];
+      m2[base + j * pstep] += dev * dev;
+    }
+  });
+  int64_t total = 0;
+  sync->MergeMoments(local, &mean, &m2, &total);
+  // An empty global batch gives tf.nn.moments's NaN (0 / 0), as without synchronization.
+  const double cnt = static_cast<double>(total);
+  out->mean.resize(static_cast<size_t>(S));
+  out->variance.resize(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    out->mean[s] = static_cast<T>(total > 0 ? mean[s] : std::numeric_limits<double>::quiet_NaN());
+    out->variance[s] = static_cast<T>(m2[s] / cnt);
+  }
+}
+
+}  // namespace
+
 template <typename T>
 void GeneralForward(const Geometry& g, const T* x, const GeneralParams<T>& p, bool batch_stats,
-                    GeneralOutputs<T>* out) {
+                    GeneralOutputs<T>* out, StatsSync* sync) {
   const int64_t P = g.params(), G = g.groups(), S = g.slots(), N = g.num_elements();
   const T eps = static_cast<T>(p.epsilon);
   const T nan = std::numeric_limits<T>::quiet_NaN();
@@ -49,7 +92,9 @@ void GeneralForward(const Geometry& g, const T* x, const GeneralParams<T>& p, bo
   out->r.assign(static_cast<size_t>(P), T(1));
   out->d.assign(static_cast<size_t>(P), T(0));
 
-  if (batch_stats) {
+  if (batch_stats && sync) {
+    SyncedMoments(g, x, sync, out);
+  } else if (batch_stats) {
     // tf.nn.moments: mean, then the mean squared deviation from it (two passes, biased).
     const double cnt = static_cast<double>(g.count());
     std::vector<double> acc(static_cast<size_t>(S), 0.0);
@@ -76,7 +121,8 @@ void GeneralForward(const Geometry& g, const T* x, const GeneralParams<T>& p, bo
     });
     out->variance.resize(static_cast<size_t>(S));
     for (int64_t s = 0; s < S; ++s) out->variance[s] = static_cast<T>(acc[s] / cnt);
-
+  }
+  if (batch_stats) {
     // Moving statistics follow the mean over the virtual batches of their statistics.
     out->new_mean.assign(static_cast<size_t>(P), G > 0 ? T(0) : nan);
     out->new_var.assign(static_cast<size_t>(P), G > 0 ? T(0) : nan);
@@ -175,13 +221,13 @@ void GeneralForward(const Geometry& g, const T* x, const GeneralParams<T>& p, bo
 }
 
 template void GeneralForward<float>(const Geometry&, const float*, const GeneralParams<float>&,
-                                    bool, GeneralOutputs<float>*);
+                                    bool, GeneralOutputs<float>*, StatsSync*);
 template void GeneralForward<double>(const Geometry&, const double*, const GeneralParams<double>&,
-                                     bool, GeneralOutputs<double>*);
+                                     bool, GeneralOutputs<double>*, StatsSync*);
 
 void GeneralBackward(const Geometry& g, const double* x, const double* dy, const GeneralSaved& s,
                      std::vector<double>* dx_out, std::vector<double>* dgamma_out,
-                     std::vector<double>* dbeta_out) {
+                     std::vector<double>* dbeta_out, StatsSync* sync) {
   const int64_t P = g.params(), S = g.slots(), N = g.num_elements();
   std::vector<double>& dx = *dx_out;
   std::vector<double>& dgamma = *dgamma_out;
@@ -212,7 +258,7 @@ void GeneralBackward(const Geometry& g, const double* x, const double* dy, const
 
   // Training: y = A * gamma + beta with A = (xhat * r + d) * adj_scale + adj_bias and
   // xhat = (x - mean) * rsqrt(var + eps) over each slot; r and d carry no gradient.
-  const double cnt = static_cast<double>(g.count());
+  double cnt = static_cast<double>(g.count());
   std::vector<double> rs(static_cast<size_t>(S)), sum_g(static_cast<size_t>(S), 0.0),
       sum_gx(static_cast<size_t>(S), 0.0);
   for (int64_t k = 0; k < S; ++k) rs[k] = 1.0 / std::sqrt(s.variance[k] + s.epsilon);
@@ -228,6 +274,11 @@ void GeneralBackward(const Geometry& g, const double* x, const double* dy, const
       sum_gx[k] += gx * xhat;
     }
   });
+  if (sync) {
+    int64_t total = 0;
+    sync->SumGradients(g.count(), &sum_g, &sum_gx, &total);
+    cnt = static_cast<double>(total);
+  }
   g.ForEachRun([&](int64_t off, int64_t len, int64_t p0, int64_t pstep, int64_t grp) {
     for (int64_t j = 0; j < len; ++j) {
       const int64_t i = off + j, k = grp * P + p0 + j * pstep;

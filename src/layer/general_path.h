@@ -110,10 +110,26 @@ struct GeneralOutputs {
   std::vector<T> r, d;               // per parameter, renorm (1 and 0 otherwise)
 };
 
+// Cross-process statistics of a synchronized layer: each call merges this process's per-slot
+// partials with the other processes' and returns the global values (identical on every process).
+class StatsSync {
+ public:
+  virtual ~StatsSync() = default;
+  // In: the elements per slot here, and per slot the mean and the centred sum of squares (M2) of
+  // this process's elements. Out: the global mean and M2, and the global elements per slot.
+  virtual void MergeMoments(int64_t count, std::vector<double>* mean, std::vector<double>* m2,
+                            int64_t* total) = 0;
+  // In: per slot, this process's sums of g and g·xhat. Out: the global sums and elements per slot.
+  virtual void SumGradients(int64_t count, std::vector<double>* sum_g, std::vector<double>* sum_gx,
+                            int64_t* total) = 0;
+};
+
 // Training (batch statistics) when `batch_stats`, else inference with the moving statistics.
+// `sync` (training only; null: this process's batch alone) makes the statistics those of the
+// global batch: local two-pass moments around the local mean, merged by `sync`.
 template <typename T>
 void GeneralForward(const Geometry& g, const T* x, const GeneralParams<T>& p, bool batch_stats,
-                    GeneralOutputs<T>* out);
+                    GeneralOutputs<T>* out, StatsSync* sync = nullptr);
 
 // What the backward pass needs from a forward call, in double (values as the forward rounded
 // them).
@@ -126,10 +142,11 @@ struct GeneralSaved {
   double epsilon = 1e-3;
 };
 
-// dx (N), dgamma and dbeta (P) for the output gradient dy, in double.
+// dx (N), dgamma and dbeta (P) for the output gradient dy, in double. With `sync` (a training
+// call that was synchronized), dx uses the global sums; dgamma and dbeta stay this process's.
 void GeneralBackward(const Geometry& g, const double* x, const double* dy, const GeneralSaved& s,
                      std::vector<double>* dx, std::vector<double>* dgamma,
-                     std::vector<double>* dbeta);
+                     std::vector<double>* dbeta, StatsSync* sync = nullptr);
 
 }  // namespace fbn::layer_impl
 
