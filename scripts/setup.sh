@@ -14,7 +14,8 @@ for arg in "$@"; do
 done
 
 apt_packages=(cmake ninja-build g++ clang-14 libclang-rt-14-dev clang-format-14 libhwy-dev
-              libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev)
+              libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev
+              libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -31,9 +32,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   "$PY" -m venv .venv
 fi
-pip_packages=(numpy ml_dtypes pytest "nanobind>=2.0" "scikit-build-core>=0.10" matplotlib scikit-learn)
+pip_packages=(numpy ml_dtypes pytest "nanobind>=2.0" "scikit-build-core>=0.10" matplotlib scikit-learn
+              mpi4py)
 ((with_tf)) && pip_packages+=(tensorflow-cpu)
-if ! .venv/bin/python -c "import numpy, ml_dtypes, pytest, nanobind, scikit_build_core, matplotlib, sklearn" 2>/dev/null ||
+if ! .venv/bin/python -c "import numpy, ml_dtypes, pytest, nanobind, scikit_build_core, matplotlib, sklearn, mpi4py" 2>/dev/null ||
    { ((with_tf)) && ! .venv/bin/python -c "import tensorflow, tf_keras" 2>/dev/null; }; then
   echo "== pip install ${pip_packages[*]}"
   .venv/bin/pip install -q --upgrade pip

@@ -36,3 +36,6 @@ echo "== pip install . and the Python tests"
 .venv/bin/pip install -q --no-build-isolation .
 # Run from tests/ so that the installed package, not the source tree, is imported.
 (cd tests/python && "$PY" -m pytest -q -p no:cacheprovider .)
+
+echo "== MPI: synchronized batch normalization (mpirun -np 2 and -np 3)"
+scripts/test_mpi.sh
