@@ -66,16 +66,16 @@ Status Shape::Validate(std::string_view what) const {
     return InvalidArgument(std::string(what) + " has rank above " + std::to_string(kMaxRank) +
                            ", which fbn does not support");
   }
-  int64_t n = 1;
-  bool zero = false;
   for (int i = 0; i < rank_; ++i) {
     if (dims_[i] < 0) {
       return InvalidArgument(std::string(what) + " has a negative dimension: " + DebugString());
     }
-    if (dims_[i] == 0) zero = true;
   }
-  if (zero) return Status::Ok();
+  // The product of the non-zero dims must fit too, also when a zero dim makes the tensor empty:
+  // num_elements(), the kernels' geometry and the strides multiply dims in varying orders.
+  int64_t n = 1;
   for (int i = 0; i < rank_; ++i) {
+    if (dims_[i] == 0) continue;
     if (n > std::numeric_limits<int64_t>::max() / dims_[i]) {
       return InvalidArgument(std::string(what) + " has too many elements: the product of " +
                              DebugString() + " overflows a 64-bit integer");

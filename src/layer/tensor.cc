@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 
@@ -13,11 +14,22 @@ void Tensor::Free::operator()(void* p) const noexcept { std::free(p); }
 
 Tensor::Tensor(DataType dtype, const Shape& shape) : dtype_(dtype), shape_(shape) {
   ThrowIfError(shape.Validate("tensor"));
-  const size_t bytes = static_cast<size_t>(shape.num_elements()) * DataTypeSize(dtype);
-  // Round up to the alignment and never request zero bytes: valid() means "has storage".
+  const uint64_t elements = static_cast<uint64_t>(shape.num_elements());
+  const size_t element_bytes = DataTypeSize(dtype);
+  auto exhausted = [&](const std::string& why) {
+    return Error(Status(StatusCode::kResourceExhausted,
+                        "could not allocate a " + std::string(DataTypeName(dtype)) +
+                            " tensor of shape " + shape.DebugString() + ": " + why));
+  };
+  // The byte count (rounded up to the alignment, plus one line so it is never zero) must not
+  // wrap around size_t: a wrapped count would give a buffer smaller than the shape.
+  if (element_bytes != 0 && elements > (std::numeric_limits<size_t>::max() - 128) / element_bytes) {
+    throw exhausted("its size in bytes overflows");
+  }
+  const size_t bytes = static_cast<size_t>(elements) * element_bytes;
   const size_t alloc = ((bytes + 63) / 64) * 64 + 64;
   void* p = std::aligned_alloc(64, alloc);
-  if (!p) throw std::bad_alloc();
+  if (!p) throw exhausted(std::to_string(bytes) + " bytes are not available");
   std::memset(p, 0, alloc);
   data_.reset(p);
 }

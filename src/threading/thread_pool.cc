@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -18,13 +19,27 @@ namespace {
 constexpr int64_t kMinBytesPerExtraThread = 96 * 1024;
 // Spin this many polls before sleeping: keeps back-to-back calls free of futex wake-ups.
 constexpr int kSpinPolls = 20000;
+// SetNumThreads() and FBN_NUM_THREADS are clamped to this: a run publishes its worker count in 16
+// bits, and nobody has use for more threads than this.
+constexpr int kMaxThreads = 1024;
 
 thread_local bool t_inside_pool_task = false;
 
 class Pool {
  public:
-  explicit Pool(int num_threads) : num_threads_(std::max(1, num_threads)) {
-    for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  explicit Pool(int requested) : requested_(std::max(1, requested)) {
+    workers_.reserve(static_cast<size_t>(requested_ - 1));
+    for (int i = 1; i < requested_; ++i) {
+      try {
+        workers_.emplace_back([this, i] { WorkerLoop(i); });
+      } catch (const std::exception&) {
+        // The system refuses more threads (std::system_error, std::bad_alloc): run with those
+        // that started. Throwing here would destroy wake_cv_ under waiting workers (a hang) and
+        // then joinable std::threads (std::terminate).
+        break;
+      }
+    }
+    num_threads_ = 1 + static_cast<int>(workers_.size());
   }
   ~Pool() {
     {
@@ -36,6 +51,7 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
 
+  int requested() const { return requested_; }
   int num_threads() const { return num_threads_; }
 
   // Requires run_mutex_ held by the caller.
@@ -107,7 +123,8 @@ class Pool {
     }
   }
 
-  const int num_threads_;
+  const int requested_;
+  int num_threads_ = 1;  // the caller's thread and the workers that started
   std::vector<std::thread> workers_;
   std::mutex wake_mutex_;
   std::condition_variable wake_cv_;
@@ -124,9 +141,10 @@ class Pool {
 int DefaultThreadCount() {
   if (const char* env = std::getenv("FBN_NUM_THREADS")) {
     const int n = std::atoi(env);
-    if (n > 0) return n;
+    if (n > 0) return std::min(n, kMaxThreads);
   }
-  return std::max(1u, std::thread::hardware_concurrency());
+  const unsigned hardware = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(hardware, 1u, static_cast<unsigned>(kMaxThreads)));
 }
 
 std::mutex g_config_mutex;
@@ -136,7 +154,7 @@ int g_num_threads = 0;         // 0: not yet decided
 std::shared_ptr<Pool> CurrentPool() {
   std::lock_guard<std::mutex> lock(g_config_mutex);
   if (g_num_threads == 0) g_num_threads = DefaultThreadCount();
-  if (!g_pool || g_pool->num_threads() != g_num_threads) {
+  if (!g_pool || g_pool->requested() != g_num_threads) {
     g_pool = std::make_shared<Pool>(g_num_threads);
   }
   return g_pool;
@@ -179,7 +197,8 @@ namespace fbn {
 
 void SetNumThreads(int n) {
   std::lock_guard<std::mutex> lock(threading::g_config_mutex);
-  threading::g_num_threads = n > 0 ? n : threading::DefaultThreadCount();
+  threading::g_num_threads =
+      n > 0 ? std::min(n, threading::kMaxThreads) : threading::DefaultThreadCount();
 }
 
 int GetNumThreads() { return threading::NumThreads(); }
