@@ -497,15 +497,14 @@ int64_t BatchNormalization::Impl::Groups(const Shape& shape, bool training_now,
   if (n % vbs != 0) {
     const int64_t per_row = shape.num_elements() / std::max<int64_t>(n, 1);
     // vbs is the caller's and may be huge: the product must not overflow.
-    const std::string multiple =
-        per_row != 0 && vbs > std::numeric_limits<int64_t>::max() / per_row
-            ? std::to_string(vbs) + "*" + std::to_string(per_row)
-            : std::to_string(vbs * per_row);
-    throw Error(InvalidArgument(
-        "Input to reshape is a tensor with " + std::to_string(shape.num_elements()) +
-        " values, but the requested shape requires a multiple of " + multiple +
-        " (Reshape: virtual_batch_size=" + std::to_string(vbs) +
-        " does not divide the batch size " + std::to_string(n) + ")"));
+    const std::string multiple = per_row != 0 && vbs > std::numeric_limits<int64_t>::max() / per_row
+                                     ? std::to_string(vbs) + "*" + std::to_string(per_row)
+                                     : std::to_string(vbs * per_row);
+    throw Error(InvalidArgument("Input to reshape is a tensor with " +
+                                std::to_string(shape.num_elements()) +
+                                " values, but the requested shape requires a multiple of " +
+                                multiple + " (Reshape: virtual_batch_size=" + std::to_string(vbs) +
+                                " does not divide the batch size " + std::to_string(n) + ")"));
   }
   return n / vbs;
 }
