@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/convert.h"
 #include "kernels/kernel_table.h"
 #include "threading/thread_pool.h"
 
@@ -127,6 +128,43 @@ void ForEachRun(const RunPartition& p, int64_t channels, int64_t per_channel, in
   }
 }
 
+// The pivoted/corrected mean of a channel holding +-Inf is NaN (Inf - Inf); TensorFlow's plain
+// sum gives +-Inf (or NaN when both signs or a NaN occur). Channels whose mean came out NaN are
+// summed again plainly, so non-finite inputs propagate exactly as in TensorFlow. Rare: costs
+// nothing on finite data.
+template <typename T>
+double PlainMean(const Geometry& g, const void* xv, int64_t c) {
+  const T* x = static_cast<const T*>(xv);
+  double sum = 0;
+  if (g.channels_last) {
+    for (int64_t r = 0; r < g.n * g.s; ++r) sum += static_cast<double>(ToAcc(x[r * g.c + c]));
+  } else {
+    for (int64_t b = 0; b < g.n; ++b) {
+      const T* p = x + (b * g.c + c) * g.s;
+      for (int64_t i = 0; i < g.s; ++i) sum += static_cast<double>(ToAcc(p[i]));
+    }
+  }
+  return sum / static_cast<double>(g.per_channel());
+}
+
+void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, int64_t c, double* mean) {
+  if (!std::isnan(*mean)) return;
+  switch (dtype) {
+    case DataType::kFloat16:
+      *mean = PlainMean<Half>(g, x, c);
+      break;
+    case DataType::kBFloat16:
+      *mean = PlainMean<BFloat16>(g, x, c);
+      break;
+    case DataType::kFloat32:
+      *mean = PlainMean<float>(g, x, c);
+      break;
+    case DataType::kFloat64:
+      *mean = PlainMean<double>(g, x, c);
+      break;
+  }
+}
+
 }  // namespace
 
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
@@ -165,6 +203,7 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
       }
       mean[c] = mu;
       variance[c] = m2 * inv_count;
+      FixNonFiniteMean(dtype, g, x, c, &mean[c]);
     }
     return;
   }
@@ -196,6 +235,7 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
     }
     mean[c] = mu;
     variance[c] = m2 * inv_count;
+    FixNonFiniteMean(dtype, g, x, c, &mean[c]);
   }
 }
 
@@ -364,6 +404,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
       double m2 = 0;
       e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &mean[c], &m2);
       variance[c] = m2 / static_cast<double>(M);
+      FixNonFiniteMean(dtype, g, x, c, &mean[c]);
       coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
       for (int64_t n = 0; n < g.n; ++n) {
         const int64_t f0 = (n * C + c) * g.s;

@@ -878,6 +878,48 @@ TEST(FusedBatchNormEdge, EmptyBatchGivesNaNStatistics) {
   }
 }
 
+// TensorFlow sums plainly: a channel holding +Inf has mean +Inf, one holding both signs NaN; the
+// variance and y of such a channel are NaN. Covers the channels-last rows, the channels-first
+// fused per-channel path and the split (multi-task) channels-first path.
+TEST(FusedBatchNormEdge, InfInXGivesInfMean) {
+  const std::vector<std::pair<TensorFormat, Shape>> cases = {
+      {TensorFormat::kNHWC, Shape{4, 9, 7, 3}},
+      {TensorFormat::kNHWC, Shape{8, 64, 64, 3}},
+      {TensorFormat::kNCHW, Shape{2, 3, 5, 7}},
+      {TensorFormat::kNCHW, Shape{3, 3, 512, 512}},
+      {TensorFormat::kNCDHW, Shape{2, 3, 2, 5, 7}}};
+  for (const auto& [format, shape] : cases) {
+    for (DataType t : kAllDtypes) {
+      SCOPED_TRACE(FormatTag(format) + " " + DTypeTag(t));
+      const DataType u = StatsType(t);
+      ForwardIO io;
+      io.x = Filled(t, shape, 0.5);
+      const int64_t n = io.x.size();
+      const bool last = ChannelsLast(format);
+      // Element k of channel c: the k-th element of that channel in memory order.
+      const int64_t spatial = last ? 1 : n / (shape.dim(0) * 3);
+      auto index = [&](int64_t c, int64_t k) {
+        return last ? k * 3 + c : ((k / spatial) * 3 + c) * spatial + k % spatial;
+      };
+      io.x.Set(index(0, n / 3 - 1), std::numeric_limits<double>::infinity());
+      io.x.Set(index(1, n / 6), -std::numeric_limits<double>::infinity());
+      io.x.Set(index(2, 0), std::numeric_limits<double>::infinity());
+      io.x.Set(index(2, n / 3 - 1), -std::numeric_limits<double>::infinity());
+      io.scale = io.offset = io.mean = io.variance = Filled(u, Shape{3}, 1.0);
+      const auto attrs = Attrs(true, 1.0f, format);
+      ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+      const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_EQ(io.batch_mean.Get(0), std::numeric_limits<double>::infinity());
+      EXPECT_EQ(io.batch_mean.Get(1), -std::numeric_limits<double>::infinity());
+      EXPECT_TRUE(std::isnan(io.batch_mean.Get(2)));
+      EXPECT_EQ(io.rs1.Get(0), std::numeric_limits<double>::infinity());
+      for (int c = 0; c < 3; ++c) EXPECT_TRUE(std::isnan(io.batch_variance.Get(c)));
+      EXPECT_TRUE(std::isnan(io.y.Get(index(0, 1))));
+    }
+  }
+}
+
 TEST(FusedBatchNormEdge, ZeroChannels) {
   for (TensorFormat format : kAllFormats) {
     SCOPED_TRACE(FormatTag(format));

@@ -534,13 +534,7 @@ def _assert_same_values(got, want, what):
     np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=2e-5, err_msg=what)
 
 
-_INF_MEAN = pytest.mark.xfail(
-    strict=True, reason="open finding (docs/bad-input.md #6): the pivoted/corrected mean gives NaN "
-                        "where TensorFlow's plain sum gives +-Inf for a channel holding +-Inf")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_INF_MEAN) if "inf_in_x" in c else c
-                                  for c in _nan_cases()])
+@pytest.mark.parametrize("case", list(_nan_cases()))
 def test_nan_and_inf_propagate_as_tensorflow(tf, case):
     inputs, attrs = _nan_cases()[case]
     got = raw_ops.FusedBatchNormV3(**inputs, epsilon=1e-3, **attrs)
