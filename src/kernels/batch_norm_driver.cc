@@ -2,9 +2,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/channel_math.h"
 #include "kernels/convert.h"
 #include "kernels/kernel_table.h"
 #include "threading/thread_pool.h"
@@ -181,7 +184,7 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
     threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
       double* s = partial + slot * static_cast<size_t>(t);
       const int64_t r0 = t * p.rows_per_task;
-      e.stats_rows(x, C, r0, std::min(rows, r0 + p.rows_per_task), s, s + C, s + 2 * C);
+      e.stats_rows(x, C, 0, C, r0, std::min(rows, r0 + p.rows_per_task), s, s + C, s + 2 * C);
     });
     // Every channel has the same per-task counts: Chan's weights once per task.
     std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.tasks));
@@ -250,7 +253,7 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
     const int64_t per = std::max<int64_t>(
         1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
     threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
-      e.apply_rows(x, g.c, t * per, std::min(rows, (t + 1) * per), mean, a, b, y, stream);
+      e.apply_rows(x, g.c, 0, g.c, t * per, std::min(rows, (t + 1) * per), mean, a, b, y, stream);
     });
   } else {
     const int64_t total = g.elements();
@@ -282,8 +285,8 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
       double* s = partial + slot * static_cast<size_t>(t);
       const int64_t r0 = t * p.rows_per_task;
-      e.reduce_rows(dy, x, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx,
-                    s + 2 * C, stream);
+      e.reduce_rows(dy, x, C, 0, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
+                    dx, s + 2 * C, stream);
     });
     for (int64_t c = 0; c < C; ++c) {
       double s0 = 0, s1 = 0;
@@ -302,7 +305,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     ForEachRun(p, C, M, t, [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
       double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
-      e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, mean, c, s, s + 1, k1, dx);
+      e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, mean, c, s, s + 1, k1, dx, stream);
     });
   });
   for (int64_t c = 0; c < C; ++c) {
@@ -339,8 +342,8 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
     const int64_t per = std::max<int64_t>(
         1, static_cast<int64_t>(kApplyTaskBytes / (static_cast<double>(g.c) * es)));
     threading::ParallelFor(CeilDiv(rows, per), threads, [&](int64_t t) {
-      e.backward_apply_rows(dy, x, g.c, t * per, std::min(rows, (t + 1) * per), mean, k1, k2, k0,
-                            dx, stream);
+      e.backward_apply_rows(dy, x, g.c, 0, g.c, t * per, std::min(rows, (t + 1) * per), mean, k1,
+                            k2, k0, dx, stream);
     });
   } else {
     const int64_t total = g.elements();
@@ -354,13 +357,20 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
 
 namespace {
 
-template <typename U>
-void ForwardCoefficients(int64_t c, double mean, double var, const void* scale, const void* offset,
-                         double eps, void* k_mean, void* k_a, void* k_b) {
-  static_cast<U*>(k_mean)[c] = static_cast<U>(mean);
-  static_cast<U*>(k_a)[c] =
-      static_cast<U>(static_cast<double>(static_cast<const U*>(scale)[c]) / std::sqrt(var + eps));
-  static_cast<U*>(k_b)[c] = static_cast<const U*>(offset)[c];
+// k_mean = U(mean), k_a = U(scale / sqrt(variance + eps)), k_b = offset for channels [c0, c1).
+void ForwardCoefficients(bool wide, int64_t c0, int64_t c1, const double* mean,
+                         const double* variance, const void* scale, const void* offset, double eps,
+                         void* k_mean, void* k_a, void* k_b) {
+  const size_t us = wide ? sizeof(double) : sizeof(float);
+  if (wide) {
+    for (int64_t c = c0; c < c1; ++c) static_cast<double*>(k_mean)[c] = mean[c];
+  } else {
+    for (int64_t c = c0; c < c1; ++c) static_cast<float*>(k_mean)[c] = static_cast<float>(mean[c]);
+  }
+  ScaleOverStd(wide, c1 - c0, variance + c0, Offset(scale, c0, us), eps,
+               static_cast<char*>(k_a) + static_cast<size_t>(c0) * us);
+  std::memcpy(static_cast<char*>(k_b) + static_cast<size_t>(c0) * us, Offset(offset, c0, us),
+              static_cast<size_t>(c1 - c0) * us);
 }
 
 template <typename U>
@@ -371,10 +381,40 @@ void BackwardCoefficients(int64_t c, double n, double sum_dy, double sum_dy_xc, 
   static_cast<U*>(k2)[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc / n);
 }
 
-// Channels-first channels that fit one reduction task can be reduced and then rewritten while
-// their data is still in cache.
-bool FusePerChannel(const Geometry& g, double bytes_per_element) {
-  if (g.channels_last) return false;
+// Channels-last tensors with few rows (small batches) are reduced and rewritten in strips of
+// channels over all rows, each strip while it is still in the core's L2. A narrow strip of a long
+// row reads one or two lines per row at a large, often power-of-two stride: those map onto few
+// cache sets and are evicted before the rewrite, so such tensors take the row-partitioned path.
+constexpr int64_t kStripChannels = 16;  // strip widths are multiples of this
+constexpr double kStripBytes = 512.0 * 1024;
+
+struct StripPartition {
+  int64_t width = 0, tasks = 0;  // tasks == 0: do not fuse
+};
+StripPartition PartitionStrips(const Geometry& g, double element_bytes) {
+  StripPartition p;
+  if (!g.channels_last || g.c == 0) return p;
+  const double channel_bytes = static_cast<double>(g.per_channel()) * element_bytes;
+  const int64_t fits = static_cast<int64_t>(kStripBytes / channel_bytes);
+  const int64_t widest = fits >= g.c ? g.c : fits / kStripChannels * kStripChannels;
+  // Per row a strip reads at least half the row or 256 contiguous bytes.
+  const bool wide_enough = 2 * widest >= g.c || static_cast<double>(widest) * element_bytes >= 256;
+  if (widest == 0 || !wide_enough) return p;
+  p.tasks = CeilDiv(g.c, widest);
+  // Equal strips, rounded up to whole units.
+  p.width = std::min(g.c, CeilDiv(CeilDiv(g.c, p.tasks), kStripChannels) * kStripChannels);
+  p.tasks = CeilDiv(g.c, p.width);
+  return p;
+}
+
+// Reduce and rewrite in one task while the data is in cache: channels-first channels that fit one
+// reduction task, channels-last tensors whose channel strips fit one.
+bool FusePerChannel(const Geometry& g, double bytes_per_element, int tensors) {
+  // Channels-last backward strips (dy, x and dx at a row stride) lose to the row-partitioned
+  // path on every shape tried, so only the forward fuses them.
+  if (g.channels_last) {
+    return tensors == 1 && PartitionStrips(g, bytes_per_element).tasks > 0;
+  }
   return PartitionRuns(g.c, g.per_channel(), bytes_per_element).pieces == 1;
 }
 
@@ -384,13 +424,10 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
                      void* k_a, void* k_b, void* y) {
   const bool wide = dtype == DataType::kFloat64;
-  auto coefficients = wide ? &ForwardCoefficients<double> : &ForwardCoefficients<float>;
   const size_t es = ElemBytes(dtype);
-  if (!FusePerChannel(g, static_cast<double>(es))) {
+  if (!FusePerChannel(g, static_cast<double>(es), 1)) {
     ComputeStats(dtype, g, x, mean, variance);
-    for (int64_t c = 0; c < g.c; ++c) {
-      coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
-    }
+    ForwardCoefficients(wide, 0, g.c, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     Apply(dtype, g, x, k_mean, k_a, k_b, y);
     return;
   }
@@ -398,6 +435,22 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
   const bool stream = StreamOutput(g, es);
   const int64_t C = g.c, M = g.per_channel();
+  if (g.channels_last) {
+    const StripPartition sp = PartitionStrips(g, static_cast<double>(es));
+    const double inv_count = 1.0 / static_cast<double>(M);
+    double* tmp = Scratch(3 * static_cast<size_t>(C));  // strips use disjoint channels of it
+    threading::ParallelFor(sp.tasks, threads, [&](int64_t t) {
+      const int64_t c0 = t * sp.width, c1 = std::min(C, c0 + sp.width);
+      e.stats_rows(x, C, c0, c1, 0, M, mean, variance, tmp);
+      for (int64_t c = c0; c < c1; ++c) {
+        variance[c] *= inv_count;
+        FixNonFiniteMean(dtype, g, x, c, &mean[c]);
+      }
+      ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
+      e.apply_rows(x, C, c0, c1, 0, M, k_mean, k_a, k_b, y, stream);
+    });
+    return;
+  }
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
@@ -405,7 +458,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
       e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &mean[c], &m2);
       variance[c] = m2 / static_cast<double>(M);
       FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-      coefficients(c, mean[c], variance[c], scale, offset, eps, k_mean, k_a, k_b);
+      ForwardCoefficients(wide, c, c + 1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
       for (int64_t n = 0; n < g.n; ++n) {
         const int64_t f0 = (n * C + c) * g.s;
         e.apply_flat(x, C, g.s, f0, f0 + g.s, k_mean, k_a, k_b, y, stream);
@@ -421,7 +474,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   auto coefficients = wide ? &BackwardCoefficients<double> : &BackwardCoefficients<float>;
   const size_t es = ElemBytes(dtype);
   const double n = static_cast<double>(g.per_channel());
-  if (!FusePerChannel(g, 2.0 * static_cast<double>(es))) {
+  if (!FusePerChannel(g, 2.0 * static_cast<double>(es), 2)) {
     ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
     for (int64_t c = 0; c < g.c; ++c) {
       coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
@@ -437,7 +490,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
       e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, k_mean, c, &sum_dy[c], &sum_dy_xc[c],
-                   nullptr, nullptr);
+                   nullptr, nullptr, false);
       coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
       for (int64_t b = 0; b < g.n; ++b) {
         const int64_t f0 = (b * C + c) * g.s;

@@ -1,5 +1,7 @@
 // Batch-norm kernels, written once against Highway and compiled per SIMD target (foreach_target),
 // plus the target-independent orchestration: task partitioning, threading and ordered merging.
+#include <type_traits>
+
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/batch_norm_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -182,56 +184,123 @@ HWY_INLINE void CorrectedBlock(double n, double m, double sum_d, double sum_d2, 
   if (m2 < 0) m2 = 0;
 }
 
-// Channels-last: statistics of rows [r0, r1) for all channels. `mean`/`m2` receive this range's
-// per-channel mean and centred sum of squares; `tmp` holds 3·C accumulators. Both passes walk the
-// block row by row (contiguous reads; per-channel accumulators stay in L1), the second from cache.
+// Channels-last strips: K vectors of adjacent channels whose accumulators stay in registers while
+// the rows of a block stream past (the "register-blocked NHWC" of performance.md). The per-channel
+// operations and their order are those of a row-by-row sweep, so the strip width never changes
+// the result.
+constexpr int kStripVectors = 4;
+
+// Pass 1 of a block for the strip at channel c: bm = K + Σ(x - K)/nb with K the block's first row.
+template <int K, typename T, class D>
+HWY_INLINE void StripMean(D d, const T* x, int64_t C, int64_t c, int64_t b0, int64_t b1,
+                          hn::Vec<D> vinv, Acc<T>* bm) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const T* pivot = x + b0 * C + c;
+  hn::Vec<D> p[K], acc[K];
+  for (int j = 0; j < K; ++j) {
+    p[j] = LoadAcc(d, pivot + j * N);
+    acc[j] = hn::Zero(d);
+  }
+  for (int64_t r = b0 + 1; r < b1; ++r) {
+    const T* xr = x + r * C + c;
+    for (int j = 0; j < K; ++j) acc[j] = hn::Add(acc[j], hn::Sub(LoadAcc(d, xr + j * N), p[j]));
+  }
+  for (int j = 0; j < K; ++j) hn::StoreU(hn::MulAdd(acc[j], vinv, p[j]), d, bm + c + j * N);
+}
+
+// Pass 2 of a block for the strip at channel c: bd = Σ(x - bm), bd2 = Σ(x - bm)².
+template <int K, typename T, class D>
+HWY_INLINE void StripDeviations(D d, const T* x, int64_t C, int64_t c, int64_t b0, int64_t b1,
+                                const Acc<T>* bm, Acc<T>* bd, Acc<T>* bd2) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<D> m[K], s1[K], s2[K];
+  for (int j = 0; j < K; ++j) {
+    m[j] = hn::LoadU(d, bm + c + j * N);
+    s1[j] = hn::Zero(d);
+    s2[j] = hn::Zero(d);
+  }
+  for (int64_t r = b0; r < b1; ++r) {
+    const T* xr = x + r * C + c;
+    for (int j = 0; j < K; ++j) {
+      const auto dv = hn::Sub(LoadAcc(d, xr + j * N), m[j]);
+      s1[j] = hn::Add(s1[j], dv);
+      s2[j] = hn::MulAdd(dv, dv, s2[j]);
+    }
+  }
+  for (int j = 0; j < K; ++j) {
+    hn::StoreU(s1[j], d, bd + c + j * N);
+    hn::StoreU(s2[j], d, bd2 + c + j * N);
+  }
+}
+
+// Calls f(integral_constant<K>, c) for the whole-vector channels of [c0, c1) in strips of
+// kStripVectors vectors, then one narrower strip; returns the first channel left for scalar code.
+template <class D, class F>
+HWY_INLINE int64_t ForEachStrip(D d, int64_t c0, int64_t c1, F&& f) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t cv = c0 + (c1 - c0) / N * N;
+  int64_t c = c0;
+  for (; c + kStripVectors * N <= cv; c += kStripVectors * N)
+    f(std::integral_constant<int, 4>(), c);
+  switch ((cv - c) / N) {
+    case 3:
+      f(std::integral_constant<int, 3>(), c);
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>(), c);
+      break;
+    case 1:
+      f(std::integral_constant<int, 1>(), c);
+      break;
+    default:
+      break;
+  }
+  return cv;
+}
+
+// Channels-last: statistics of rows [r0, r1) and channels [c0, c1) of rows of C channels.
+// `mean`/`m2` (indexed by channel) receive the range's mean and centred sum of squares; `tmp` holds
+// 3·C accumulators. Both passes read the block strip by strip with register accumulators, the
+// second from cache.
 template <typename T>
-void StatsRows(const void* xv, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
-               void* tmpv) {
+void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+               double* mean, double* m2, void* tmpv) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
-  A* bm = static_cast<A*>(tmpv);  // pass 1: Σ(x - K); then the rounded block mean m
+  A* bm = static_cast<A*>(tmpv);  // the rounded block mean m
   A* bd = bm + C;                 // pass 2: Σ(x - m)
   A* bd2 = bd + C;                // pass 2: Σ(x - m)²
   const AccTag<T> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t block = BlockRows(C, sizeof(T));
-  const int64_t cv = C - C % N;  // channels covered by whole vectors
+  const int64_t block = BlockRows(c1 - c0, sizeof(T));
   double count = 0;
-  for (int64_t c = 0; c < C; ++c) mean[c] = m2[c] = 0.0;
+  for (int64_t c = c0; c < c1; ++c) mean[c] = m2[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
     const A nb = static_cast<A>(b1 - b0);
-    const T* pivot = x + b0 * C;
-    for (int64_t c = 0; c < C; ++c) bm[c] = bd[c] = bd2[c] = A(0);
-    for (int64_t r = b0 + 1; r < b1; ++r) {
-      const T* xr = x + r * C;
-      for (int64_t c = 0; c < cv; c += N) {
-        const auto v = hn::Sub(LoadAcc(d, xr + c), LoadAcc(d, pivot + c));
-        hn::StoreU(hn::Add(hn::LoadU(d, bm + c), v), d, bm + c);
-      }
-      for (int64_t c = cv; c < C; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
-    }
     const auto vinv = hn::Set(d, A(1) / nb);
-    for (int64_t c = 0; c < cv; c += N) {
-      hn::StoreU(hn::MulAdd(hn::LoadU(d, bm + c), vinv, LoadAcc(d, pivot + c)), d, bm + c);
-    }
-    for (int64_t c = cv; c < C; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / nb;
-    for (int64_t r = b0; r < b1; ++r) {
-      const T* xr = x + r * C;
-      for (int64_t c = 0; c < cv; c += N) {
-        const auto dv = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, bm + c));
-        hn::StoreU(hn::Add(hn::LoadU(d, bd + c), dv), d, bd + c);
-        hn::StoreU(hn::MulAdd(dv, dv, hn::LoadU(d, bd2 + c)), d, bd2 + c);
+    const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+      StripMean<decltype(k)::value>(d, x, C, c, b0, b1, vinv, bm);
+      StripDeviations<decltype(k)::value>(d, x, C, c, b0, b1, bm, bd, bd2);
+    });
+    if (cv < c1) {
+      const T* pivot = x + b0 * C;
+      for (int64_t c = cv; c < c1; ++c) bm[c] = bd[c] = bd2[c] = A(0);
+      for (int64_t r = b0 + 1; r < b1; ++r) {
+        const T* xr = x + r * C;
+        for (int64_t c = cv; c < c1; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
       }
-      for (int64_t c = cv; c < C; ++c) {
-        const A dd = ToAcc(xr[c]) - bm[c];
-        bd[c] += dd;
-        bd2[c] += dd * dd;
+      for (int64_t c = cv; c < c1; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / nb;
+      for (int64_t r = b0; r < b1; ++r) {
+        const T* xr = x + r * C;
+        for (int64_t c = cv; c < c1; ++c) {
+          const A dd = ToAcc(xr[c]) - bm[c];
+          bd[c] += dd;
+          bd2[c] += dd * dd;
+        }
       }
     }
     const MergeWeights mw = WeightsFor(count, static_cast<double>(nb));
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       // CorrectedBlock, then ChanMerge, with the shared weights.
       const double sd = static_cast<double>(bd[c]);
       const double bmean = static_cast<double>(bm[c]) + sd * mw.inv_nb;
@@ -316,9 +385,30 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
 // ------------------------------------------------------------------------------------------------
 // Apply: y = (x - m)·a + b.
 
+// y = (x - m)·a + b for rows [r0, r1) of the strip at channel c; m, a, b stay in registers.
+template <int K, typename T, class D>
+HWY_INLINE void StripApply(D d, const T* x, int64_t C, int64_t c, int64_t r0, int64_t r1,
+                           const Acc<T>* mean, const Acc<T>* a, const Acc<T>* b, T* y, bool nt) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<D> vm[K], va[K], vb[K];
+  for (int j = 0; j < K; ++j) {
+    vm[j] = hn::LoadU(d, mean + c + j * N);
+    va[j] = hn::LoadU(d, a + c + j * N);
+    vb[j] = hn::LoadU(d, b + c + j * N);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C + c;
+    for (int j = 0; j < K; ++j) {
+      const auto v = hn::Sub(LoadAcc(d, x + o + j * N), vm[j]);
+      StoreAcc(d, hn::MulAdd(v, va[j], vb[j]), y + o + j * N, nt);
+    }
+  }
+}
+
+// Channels-last: rows [r0, r1), channels [c0, c1).
 template <typename T>
-void ApplyRows(const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv, const void* av,
-               const void* bv, void* yv, bool stream) {
+void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+               const void* mv, const void* av, const void* bv, void* yv, bool stream) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
@@ -327,17 +417,17 @@ void ApplyRows(const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv
   const A* b = static_cast<const A*>(bv);
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  // Streaming needs every row's vectors aligned: whole-vector rows from an aligned start.
-  const bool nt = stream && C % N == 0 && StreamAligned(d, y + r0 * C);
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    int64_t c = 0;
-    for (; c + N <= C; c += N) {
-      const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
-      StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
+  // Streaming needs every stored vector aligned: whole-vector rows from an aligned start.
+  const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, y + r0 * C);
+  const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+    StripApply<decltype(k)::value>(d, x, C, c, r0, r1, mean, a, b, y, nt);
+  });
+  if (cv < c1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      for (int64_t c = cv; c < c1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
     }
-    for (; c < C; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
   }
   if (nt) hwy::FlushStream();
 }
@@ -377,12 +467,40 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 // Backward reductions: Σdy and Σdy·(x - m). With `k1` non-null (frozen backward), also writes
 // dx = k1·dy in the same sweep.
 
-// Channels-last rows [r0, r1), row by row; block sums accumulate in `tmp` (2·C accumulators) and
-// are added to the double sums once per block.
+// Σdy and Σdy·(x - m) of a block for the strip at channel c, into s and t; with k1, dx = k1·dy.
+template <int K, typename T, class D>
+HWY_INLINE void StripReduce(D d, const T* dy, const T* x, int64_t C, int64_t c, int64_t b0,
+                            int64_t b1, const Acc<T>* mean, const Acc<T>* k1, T* dx, bool nt,
+                            Acc<T>* s, Acc<T>* t) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<D> m[K], sg[K], sx[K];
+  for (int j = 0; j < K; ++j) {
+    m[j] = hn::LoadU(d, mean + c + j * N);
+    sg[j] = hn::Zero(d);
+    sx[j] = hn::Zero(d);
+  }
+  for (int64_t r = b0; r < b1; ++r) {
+    const int64_t o = r * C + c;
+    for (int j = 0; j < K; ++j) {
+      const auto g = LoadAcc(d, dy + o + j * N);
+      sg[j] = hn::Add(sg[j], g);
+      sx[j] = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + o + j * N), m[j]), sx[j]);
+      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c + j * N)), dx + o + j * N, nt);
+    }
+  }
+  for (int j = 0; j < K; ++j) {
+    hn::StoreU(sg[j], d, s + c + j * N);
+    hn::StoreU(sx[j], d, t + c + j * N);
+  }
+}
+
+// Channels-last rows [r0, r1) and channels [c0, c1), in blocks; block sums accumulate in
+// registers strip by strip (in `tmp`, 2·C accumulators, for the channels past the last whole
+// vector) and are added to the double sums (indexed by channel) once per block.
 template <typename T>
-void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1, const void* mv,
-                double* sum_dy, double* sum_dy_xc, const void* k1v, void* dxv, void* tmpv,
-                bool stream) {
+void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0,
+                int64_t r1, const void* mv, double* sum_dy, double* sum_dy_xc, const void* k1v,
+                void* dxv, void* tmpv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -393,30 +511,27 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t 
   A* t = s + C;
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t block = BlockRows(2 * C, sizeof(T));
-  const int64_t cv = C - C % N;
-  const bool nt = k1 && stream && C % N == 0 && StreamAligned(d, dx + r0 * C);
-  for (int64_t c = 0; c < C; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
+  const int64_t block = BlockRows(2 * (c1 - c0), sizeof(T));
+  const bool nt = k1 && stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
+  for (int64_t c = c0; c < c1; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
-    for (int64_t c = 0; c < C; ++c) s[c] = t[c] = A(0);
-    for (int64_t r = b0; r < b1; ++r) {
-      const int64_t o = r * C;
-      for (int64_t c = 0; c < cv; c += N) {
-        const auto g = LoadAcc(d, dy + o + c);
-        const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
-        hn::StoreU(hn::Add(hn::LoadU(d, s + c), g), d, s + c);
-        hn::StoreU(hn::MulAdd(g, xc, hn::LoadU(d, t + c)), d, t + c);
-        if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c, nt);
-      }
-      for (int64_t c = cv; c < C; ++c) {
-        const A g = ToAcc(dy[o + c]);
-        s[c] += g;
-        t[c] += g * (ToAcc(x[o + c]) - mean[c]);
-        if (k1) dx[o + c] = FromAcc<T>(g * k1[c]);
+    const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+      StripReduce<decltype(k)::value>(d, dy, x, C, c, b0, b1, mean, k1, dx, nt, s, t);
+    });
+    if (cv < c1) {
+      for (int64_t c = cv; c < c1; ++c) s[c] = t[c] = A(0);
+      for (int64_t r = b0; r < b1; ++r) {
+        const int64_t o = r * C;
+        for (int64_t c = cv; c < c1; ++c) {
+          const A g = ToAcc(dy[o + c]);
+          s[c] += g;
+          t[c] += g * (ToAcc(x[o + c]) - mean[c]);
+          if (k1) dx[o + c] = FromAcc<T>(g * k1[c]);
+        }
       }
     }
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       sum_dy[c] += static_cast<double>(s[c]);
       sum_dy_xc[c] += static_cast<double>(t[c]);
     }
@@ -429,7 +544,7 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t 
 template <typename T>
 void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stride, int64_t S,
                int64_t v0, int64_t v1, Acc<T> mean, double* sum_dy, double* sum_dy_xc, Acc<T> k1,
-               void* dxv) {
+               void* dxv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -446,13 +561,15 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
     if (len > v1 - v) len = v1 - v;
     if (len > kRunBlock) len = kRunBlock;
     const int64_t at = base + plane * plane_stride + off;
+    // Streaming only where the run is aligned for it; the sums never depend on the alignment.
+    const bool nt = dx && stream && StreamAligned(d, dx + at);
     auto s = hn::Zero(d), t = hn::Zero(d);
     int64_t i = 0;
     for (; i + N <= len; i += N) {
       const auto g = LoadAcc(d, dy + at + i);
       s = hn::Add(s, g);
       t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + at + i), vm), t);
-      if (dx) StoreAcc(d, hn::Mul(g, vk), dx + at + i);
+      if (dx) StoreAcc(d, hn::Mul(g, vk), dx + at + i, nt);
     }
     A ss = hn::GetLane(hn::SumOfLanes(d, s));
     A tt = hn::GetLane(hn::SumOfLanes(d, t));
@@ -466,6 +583,7 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
     total_t += static_cast<double>(tt);
     v += len;
   }
+  if (dx && stream) hwy::FlushStream();
   *sum_dy = total_s;
   *sum_dy_xc = total_t;
 }
@@ -473,10 +591,35 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
 // ------------------------------------------------------------------------------------------------
 // Backward apply: dx = k1·dy + k2·(x - m) + k0.
 
+// dx = k1·dy + k2·(x - m) + k0 for rows [r0, r1) of the strip at channel c, coefficients in
+// registers.
+template <int K, typename T, class D>
+HWY_INLINE void StripBackwardApply(D d, const T* dy, const T* x, int64_t C, int64_t c, int64_t r0,
+                                   int64_t r1, const Acc<T>* mean, const Acc<T>* k1,
+                                   const Acc<T>* k2, const Acc<T>* k0, T* dx, bool nt) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<D> vm[K], v1[K], v2[K], v0[K];
+  for (int j = 0; j < K; ++j) {
+    vm[j] = hn::LoadU(d, mean + c + j * N);
+    v1[j] = hn::LoadU(d, k1 + c + j * N);
+    v2[j] = hn::LoadU(d, k2 + c + j * N);
+    v0[j] = hn::LoadU(d, k0 + c + j * N);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C + c;
+    for (int j = 0; j < K; ++j) {
+      const auto xc = hn::Sub(LoadAcc(d, x + o + j * N), vm[j]);
+      const auto t = hn::MulAdd(v1[j], LoadAcc(d, dy + o + j * N), v0[j]);
+      StoreAcc(d, hn::MulAdd(v2[j], xc, t), dx + o + j * N, nt);
+    }
+  }
+}
+
+// Channels-last: rows [r0, r1), channels [c0, c1).
 template <typename T>
-void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, int64_t r1,
-                       const void* mv, const void* k1v, const void* k2v, const void* k0v, void* dxv,
-                       bool stream) {
+void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t c1,
+                       int64_t r0, int64_t r1, const void* mv, const void* k1v, const void* k2v,
+                       const void* k0v, void* dxv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -487,18 +630,17 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t r0, i
   const A* k0 = static_cast<const A*>(k0v);
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const bool nt = stream && C % N == 0 && StreamAligned(d, dx + r0 * C);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t o = r * C;
-    int64_t c = 0;
-    for (; c + N <= C; c += N) {
-      const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
-      const auto t = hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
-      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
-    }
-    for (; c < C; ++c) {
-      const A xc = ToAcc(x[o + c]) - mean[c];
-      dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+  const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
+  const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+    StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
+  });
+  if (cv < c1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r * C;
+      for (int64_t c = cv; c < c1; ++c) {
+        const A xc = ToAcc(x[o + c]) - mean[c];
+        dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+      }
     }
   }
   if (nt) hwy::FlushStream();
@@ -554,11 +696,12 @@ void FillEntry(KernelEntry* e) {
   e->reduce_rows = &ReduceRows<T>;
   e->reduce_run = [](const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
-                     double* sum_dy_xc, const void* k1, void* dx) {
+                     double* sum_dy_xc, const void* k1, void* dx, bool stream) {
     using A = Acc<T>;
     const A m = static_cast<const A*>(mean)[c];
     const A k = k1 ? static_cast<const A*>(k1)[c] : A(0);
-    ReduceRun<T>(dy, x, base, plane_stride, S, v0, v1, m, sum_dy, sum_dy_xc, k, k1 ? dx : nullptr);
+    ReduceRun<T>(dy, x, base, plane_stride, S, v0, v1, m, sum_dy, sum_dy_xc, k, k1 ? dx : nullptr,
+                 stream);
   };
   e->backward_apply_rows = &BackwardApplyRows<T>;
   e->backward_apply_flat = &BackwardApplyFlat<T>;

@@ -9,29 +9,30 @@
 namespace fbn::kernels {
 
 struct KernelEntry {
-  // Channels-last statistics of rows [r0, r1): per-channel mean and M2 of the range. tmp: 3·C
-  // accumulators of scratch.
-  void (*stats_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, double* mean, double* m2,
-                     void* tmp);
+  // Channels-last kernels work on rows [r0, r1) and channels [c0, c1) of rows of C channels;
+  // their per-channel arrays are indexed by channel.
+  // Statistics: per-channel mean and M2 of the range. tmp: 3·C accumulators of scratch.
+  void (*stats_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+                     double* mean, double* m2, void* tmp);
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);
   // Element-wise writers take `stream`: bypass the cache for outputs larger than it.
-  void (*apply_rows)(const void* x, int64_t C, int64_t r0, int64_t r1, const void* mean,
-                     const void* a, const void* b, void* y, bool stream);
+  void (*apply_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+                     const void* mean, const void* a, const void* b, void* y, bool stream);
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
   // accumulators of scratch.
-  void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
-                      const void* mean, double* sum_dy, double* sum_dy_xc, const void* k1, void* dx,
-                      void* tmp, bool stream);
+  void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0,
+                      int64_t r1, const void* mean, double* sum_dy, double* sum_dy_xc,
+                      const void* k1, void* dx, void* tmp, bool stream);
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
-                     double* sum_dy_xc, const void* k1, void* dx);
-  void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t r0, int64_t r1,
-                              const void* mean, const void* k1, const void* k2, const void* k0,
-                              void* dx, bool stream);
+                     double* sum_dy_xc, const void* k1, void* dx, bool stream);
+  void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1,
+                              int64_t r0, int64_t r1, const void* mean, const void* k1,
+                              const void* k2, const void* k0, void* dx, bool stream);
   void (*backward_apply_flat)(const void* dy, const void* x, int64_t C, int64_t S, int64_t f0,
                               int64_t f1, const void* mean, const void* k1, const void* k2,
                               const void* k0, void* dx, bool stream);
