@@ -23,14 +23,18 @@
 
 namespace fbn {
 
+// Any int converts to an OpVersion; every function below that takes one returns InvalidArgument
+// for a value other than kV1, kV2 and kV3 ("...: argument version must be fbn::OpVersion::kV1,
+// kV2 or kV3 (1, 2 or 3), got 7"), before anything else is checked or written.
 enum class OpVersion : int { kV1 = 1, kV2 = 2, kV3 = 3 };
 
-// The name TensorFlow gives the op: "FusedBatchNormV3", "FusedBatchNormGrad", ...
+// The name TensorFlow gives the op: "FusedBatchNormV3", "FusedBatchNormGrad", ... For a version
+// outside kV1..kV3, the fixed text "(invalid fbn::OpVersion)" (never null).
 FBN_API const char* FusedBatchNormOpName(OpVersion version);
 FBN_API const char* FusedBatchNormGradOpName(OpVersion version);
 
 // Parses a data_format attribute as the op `version` accepts it (V1/V2: NHWC, NCHW; V3 also
-// NDHWC, NCDHW), with TensorFlow's attribute error text.
+// NDHWC, NCDHW), with TensorFlow's attribute error text. *format is written only on success.
 FBN_API Status ParseDataFormat(std::string_view text, OpVersion version, TensorFormat* format);
 
 // The shape and type an output must have.
@@ -110,9 +114,10 @@ FBN_API Status FusedBatchNormGrad(OpVersion version, const FusedBatchNormGradInp
 // ---------------------------------------------------------------------------------------------
 // Non-fused ops (the layer's general path).
 
-// tf.nn.moments: mean and biased variance of x over `axes` (negative axes count from the end;
-// duplicates are an error). Outputs have x's dtype; 16-bit x accumulates in float, float in
-// double. keepdims keeps reduced axes as size 1.
+// tf.nn.moments: mean and biased variance of x over the `num_axes` entries of `axes` (negative
+// axes count from the end; duplicates are an error; num_axes < 0, or axes == nullptr with
+// num_axes > 0, is InvalidArgument naming the argument). Outputs have x's dtype; 16-bit x
+// accumulates in float, float in double. keepdims keeps reduced axes as size 1.
 FBN_API Status MomentsOutputSpec(const ConstTensorView& x, const int* axes, int num_axes,
                                  bool keepdims, TensorSpec* spec) noexcept;
 FBN_API Status Moments(const ConstTensorView& x, const int* axes, int num_axes, bool keepdims,

@@ -18,10 +18,12 @@ using ops::CheckTensor;
 
 Status ValidateForward(OpVersion version, const FusedBatchNormInputs& in,
                        const FusedBatchNormAttrs& attrs) {
+  Status s = ops::CheckVersion("FusedBatchNorm", version);
+  if (!s.ok()) return s;
   const char* op = FusedBatchNormOpName(version);
   // Argument types, as TensorFlow's op registration checks them.
-  Status s = ops::CheckOpTypes(op, version, in.x.dtype,
-                               {in.scale.dtype, in.offset.dtype, in.mean.dtype, in.variance.dtype});
+  s = ops::CheckOpTypes(op, version, in.x.dtype,
+                        {in.scale.dtype, in.offset.dtype, in.mean.dtype, in.variance.dtype});
   if (!s.ok()) return s;
   if (!(s = ops::CheckFormat(attrs.data_format, version)).ok()) return s;
   const std::pair<const ConstTensorView*, const char*> tensors[] = {{&in.x, "x"},

@@ -12,11 +12,13 @@ namespace {
 
 Status ValidateGrad(OpVersion version, const FusedBatchNormGradInputs& in,
                     const FusedBatchNormGradAttrs& attrs) {
+  Status s = ops::CheckVersion("FusedBatchNormGrad", version);
+  if (!s.ok()) return s;
   const char* op = FusedBatchNormGradOpName(version);
   const DataType t = in.y_backprop.dtype;
   // Registration: y_backprop and x share T; scale is T for V1 and float (double with double x)
   // after; the reserve spaces are U.
-  Status s = ops::CheckOpTypes(op, version, t, {}, 0);
+  s = ops::CheckOpTypes(op, version, t, {}, 0);
   if (!s.ok()) return s;
   if (!(s = ops::CheckInputType(op, 1, in.x.dtype, t)).ok()) return s;
   const DataType u = version == OpVersion::kV1 ? t : ops::StatsType(t);

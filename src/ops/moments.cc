@@ -3,6 +3,7 @@
 // the shape (adjacent dims of one kind merged), so no transposed copy is made.
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "fbn/ops.h"
@@ -46,7 +47,14 @@ void WithType(DataType dtype, F&& f) {
 // Normalized, sorted, de-duplicated axes; TensorFlow's texts for bad ones.
 Status NormalizeAxes(const Shape& x, const int* axes, int num_axes, bool reduced[Shape::kMaxRank]) {
   std::fill(reduced, reduced + Shape::kMaxRank, false);
-  if (num_axes > 0 && axes == nullptr) return InvalidArgument("axes is null");
+  if (num_axes < 0) {
+    return InvalidArgument("Moments: argument num_axes must be >= 0 (the length of axes), got " +
+                           std::to_string(num_axes));
+  }
+  if (num_axes > 0 && axes == nullptr) {
+    return InvalidArgument("Moments: argument axes is null but num_axes is " +
+                           std::to_string(num_axes));
+  }
   for (int i = 0; i < num_axes; ++i) {
     const int a = axes[i];
     if (a < -x.rank() || a >= x.rank()) {

@@ -6,6 +6,10 @@
 
 namespace fbn {
 
+namespace {
+constexpr const char* kInvalidOpVersionName = "(invalid fbn::OpVersion)";
+}  // namespace
+
 const char* FusedBatchNormOpName(OpVersion version) {
   switch (version) {
     case OpVersion::kV1:
@@ -15,7 +19,7 @@ const char* FusedBatchNormOpName(OpVersion version) {
     case OpVersion::kV3:
       return "FusedBatchNormV3";
   }
-  return "FusedBatchNorm";
+  return kInvalidOpVersionName;
 }
 
 const char* FusedBatchNormGradOpName(OpVersion version) {
@@ -27,7 +31,7 @@ const char* FusedBatchNormGradOpName(OpVersion version) {
     case OpVersion::kV3:
       return "FusedBatchNormGradV3";
   }
-  return "FusedBatchNormGrad";
+  return kInvalidOpVersionName;
 }
 
 namespace {
@@ -38,6 +42,8 @@ const char* AllowedFormats(OpVersion version) {
 }  // namespace
 
 Status ParseDataFormat(std::string_view text, OpVersion version, TensorFormat* format) {
+  Status s = ops::CheckVersion("ParseDataFormat", version);
+  if (!s.ok()) return s;
   const TensorFormat all[] = {TensorFormat::kNHWC, TensorFormat::kNCHW, TensorFormat::kNDHWC,
                               TensorFormat::kNCDHW};
   const int allowed = version == OpVersion::kV3 ? 4 : 2;
@@ -52,6 +58,15 @@ Status ParseDataFormat(std::string_view text, OpVersion version, TensorFormat* f
 }
 
 namespace ops {
+
+Status CheckVersion(const char* function, OpVersion version) {
+  const int v = static_cast<int>(version);
+  if (v >= 1 && v <= 3) return Status::Ok();
+  return InvalidArgument(std::string(function) +
+                         ": argument version must be fbn::OpVersion::kV1, kV2 or kV3 (1, 2 or 3), "
+                         "got " +
+                         std::to_string(v));
+}
 
 Status CheckOpTypes(const char* op, OpVersion version, DataType t,
                     std::initializer_list<DataType> stats, int first_index) {

@@ -14,6 +14,10 @@ inline DataType StatsType(DataType t) {
   return t == DataType::kFloat64 ? DataType::kFloat64 : DataType::kFloat32;
 }
 
+// An OpVersion outside kV1..kV3 (any int converts to the enum): InvalidArgument naming the
+// argument `version` and `function`. Every entry point taking a version checks it first.
+Status CheckVersion(const char* function, OpVersion version);
+
 // TensorFlow's registration rules for (T, U): V1 has one type T for everything (float; double as
 // an fbn extension); V2/V3 take T in {half, bfloat16, float} (and double) with U = StatsType(T).
 // `stats` lists the per-channel inputs in order, starting at input index 1 (forward) or as given.

@@ -40,6 +40,11 @@ void CheckParseDataFormat(FuzzedDataProvider& fdp, OpVersion version) {
                                        : fdp.ConsumeRandomLengthString(12);
   fbn::TensorFormat format = static_cast<fbn::TensorFormat>(-7);
   const Status s = fbn::ParseDataFormat(text, version, &format);
+  if (!ValidVersion(version)) {
+    FBN_FUZZ_CHECK(!s.ok() && s.message().find("ParseDataFormat: argument version must be") == 0,
+                   "ParseDataFormat with version " + std::to_string(static_cast<int>(version)) +
+                       ": " + s.ToString());
+  }
   if (s.ok()) {
     FBN_FUZZ_CHECK(text == fbn::TensorFormatName(format), "ParseDataFormat accepted " + text);
     FBN_FUZZ_CHECK(static_cast<int>(version) == 3 || static_cast<int>(format) <= 1,
@@ -128,7 +133,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const Tensor& t : vec) {
     must_reject = must_reject || t.must_reject() || t.null_with_elements() || t.shape().rank() != 1;
   }
-  if (ValidVersion(version) && must_reject) {
+  if (!ValidVersion(version)) {
+    // An invalid version is rejected first, naming the argument.
+    FBN_FUZZ_CHECK(!spec_status.ok() && spec_status.code() == fbn::StatusCode::kInvalidArgument &&
+                       spec_status.message().find("FusedBatchNorm: argument version must be") == 0,
+                   "invalid version " + std::to_string(static_cast<int>(version)) + ": " +
+                       spec_status.ToString());
+  }
+  if (must_reject) {
     FBN_FUZZ_CHECK(!spec_status.ok(), "accepted: x " + fbn_fuzz::ShapeText(x) + " format " +
                                           std::to_string(format_code));
   }

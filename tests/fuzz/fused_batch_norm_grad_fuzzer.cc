@@ -122,7 +122,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     must_reject = must_reject || vec[3].must_reject();
   }
   must_reject = must_reject || dy.shape() != x.shape();
-  if (ValidVersion(version) && must_reject) {
+  if (!ValidVersion(version)) {
+    // An invalid version is rejected first, naming the argument.
+    FBN_FUZZ_CHECK(
+        !spec_status.ok() && spec_status.code() == fbn::StatusCode::kInvalidArgument &&
+            spec_status.message().find("FusedBatchNormGrad: argument version must be") == 0,
+        "invalid version " + std::to_string(static_cast<int>(version)) + ": " +
+            spec_status.ToString());
+  }
+  if (must_reject) {
     FBN_FUZZ_CHECK(!spec_status.ok(), "accepted: x " + fbn_fuzz::ShapeText(x) + " dy " +
                                           fbn_fuzz::ShapeText(dy) + " format " +
                                           std::to_string(format_code));

@@ -106,7 +106,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The harness's own reading of the axes.
   const int shape_rank = x.shape().rank();
   bool reduced[fbn::Shape::kMaxRank + 2] = {};  // shape_rank may be kMaxRank + 1 (invalid)
-  bool axes_ok = !(num_axes > 0 && null_axes);
+  bool axes_ok = num_axes >= 0 && !(num_axes > 0 && null_axes);
   for (int i = 0; axes_ok && i < num_axes; ++i) {
     const int64_t a = axes[static_cast<size_t>(i)];
     if (a < -shape_rank || a >= shape_rank) {
@@ -125,6 +125,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (must_reject) {
     FBN_FUZZ_CHECK(!spec_status.ok(), "accepted x " + fbn_fuzz::ShapeText(x) + " with " +
                                           std::to_string(num_axes) + " axes");
+  }
+  if (num_axes < 0 && !x.must_reject() && !x.null_with_elements()) {
+    FBN_FUZZ_CHECK(spec_status.message().find("argument num_axes") != std::string::npos,
+                   "num_axes " + std::to_string(num_axes) + ": " + spec_status.ToString());
   }
   if (spec_status.ok()) {
     FBN_FUZZ_CHECK(spec.dtype == x.dtype(), "moments output dtype");
