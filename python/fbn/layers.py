@@ -160,13 +160,25 @@ def _as_input(value, name):
     return arr, code
 
 
-def _training(training):
+def _training(training, keras_v2=False):
     if isinstance(training, _fbn.TrainingFlag):
         return training
     if training is None:
         # Keras's learning phase: in a graph, a boolean placeholder defaulting to False; eagerly, 0.
         graph = get_default_graph()
         return graph.learning_phase if graph is not None else False
+    # TensorFlow's checks: the Keras V2 layer turns a Python int into a bool; then a Python bool
+    # or a value equal to 1 or 0 (1.0, numpy.int64(0), numpy.True_) is accepted, anything else
+    # ("no", 2 in V1, a list, an array) is a TypeError.
+    if keras_v2 and isinstance(training, int):
+        return bool(training)
+    try:
+        valid = isinstance(training, bool) or training in {0, 1}
+    except TypeError:  # unhashable: a list, an array
+        valid = False
+    if not valid:
+        raise TypeError("`training` must be a Python bool, or 1 or 0, or an fbn.TrainingFlag. "
+                        f"Received: {type(training)}")
     return bool(training)
 
 
@@ -340,7 +352,7 @@ class BatchNormalization:
 
     def __call__(self, inputs, training=False):
         x, code = _as_input(inputs, "inputs")
-        y = self._layer.call(x, code, _training(training))
+        y = self._layer.call(x, code, _training(training, self._KERAS_V2))
         return y
 
     def apply(self, inputs, training=False):

@@ -28,8 +28,19 @@ _FusedBatchNormGradOutput = {
 }
 
 
+def _bool_attr(value, name, default=True):
+    """A bool attribute as TensorFlow's op wrappers take it: a Python bool, or None for the
+    default; anything else (1, numpy.bool_, "no", ...) is TensorFlow's TypeError."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"Expected bool for argument '{name}' not {value!r}.")
+
+
 def _forward(version, x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
              data_format, is_training):
+    is_training = _bool_attr(is_training, "is_training")
     xa, xt = as_input(x, "x")
     sa, st = as_input(scale, "scale")
     oa, ot = as_input(offset, "offset")
@@ -37,13 +48,14 @@ def _forward(version, x, scale, offset, mean, variance, epsilon, exponential_avg
     va, vt = as_input(variance, "variance")
     outs = _fbn.fused_batch_norm(version, xa, xt, sa, st, oa, ot, ma, mt, va, vt,
                                  float(epsilon), float(exponential_avg_factor), str(data_format),
-                                 bool(is_training))
+                                 is_training)
     outs = (from_output(outs[0], xt),) + tuple(outs[1:])
     return _FusedBatchNormOutput[version](*outs)
 
 
 def _grad(version, y_backprop, x, scale, reserve_space_1, reserve_space_2, reserve_space_3,
           epsilon, data_format, is_training):
+    is_training = _bool_attr(is_training, "is_training")
     da, dt = as_input(y_backprop, "y_backprop")
     xa, xt = as_input(x, "x")
     sa, st = as_input(scale, "scale")
@@ -54,7 +66,7 @@ def _grad(version, y_backprop, x, scale, reserve_space_1, reserve_space_2, reser
     else:
         r3, r3t = as_input(reserve_space_3, "reserve_space_3")
     outs = _fbn.fused_batch_norm_grad(version, da, xa, xt, sa, st, r1, r1t, r2, r2t, r3, r3t,
-                                      float(epsilon), str(data_format), bool(is_training), dt)
+                                      float(epsilon), str(data_format), is_training, dt)
     outs = (from_output(outs[0], xt),) + tuple(outs[1:])
     return _FusedBatchNormGradOutput[version](*outs)
 

@@ -265,6 +265,45 @@ def test_bad_data_format(data_format):
                               "list of allowed values: \"NHWC\", \"NCHW\", \"NDHWC\", \"NCDHW\"")
 
 
+# is_training is a bool attribute: TensorFlow's op wrappers take a Python bool (None: the
+# default) and raise TypeError for anything else, ints and numpy.bool_ included.
+BAD_BOOLS = ["no", "", "True", 1, 0, 2, 1.0, np.bool_(True), np.int64(1), [True], object(),
+             np.array(True)]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("value", BAD_BOOLS, ids=repr)
+def test_is_training_must_be_a_bool(op, value):
+    with pytest.raises(TypeError) as err:
+        getattr(fbn.raw_ops, op)(**_inputs(op), is_training=value)
+    assert str(err.value) == f"Expected bool for argument 'is_training' not {value!r}."
+
+
+@pytest.mark.parametrize("value", ["no", 1, np.bool_(False), object()], ids=repr)
+def test_is_training_type_error_matches_tf(value, tf):
+    kwargs = _inputs("FusedBatchNormV3")
+    with pytest.raises(TypeError) as theirs:
+        tf.raw_ops.FusedBatchNormV3(**kwargs, is_training=value)
+    with pytest.raises(TypeError) as mine:
+        fbn.raw_ops.FusedBatchNormV3(**kwargs, is_training=value)
+    assert str(mine.value) == str(theirs.value)
+    c = kwargs["scale"].shape[0]
+    args = (kwargs["x"], kwargs["scale"], kwargs["offset"], np.zeros(c, np.float32),
+            np.ones(c, np.float32))
+    with pytest.raises(TypeError) as theirs:
+        tf.compat.v1.nn.fused_batch_norm(*args, is_training=value)
+    with pytest.raises(TypeError) as mine:
+        fbn.nn.fused_batch_norm(*args, is_training=value)
+    assert str(mine.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_is_training_none_is_the_default(op):
+    kwargs = _inputs(op)
+    assert all(_same_bits(a, b) for a, b in zip(getattr(fbn.raw_ops, op)(**kwargs, is_training=None),
+                                                getattr(fbn.raw_ops, op)(**kwargs)))
+
+
 # ----------------------------------------------------------------------------------------------
 # fbn.nn
 # ----------------------------------------------------------------------------------------------

@@ -326,6 +326,44 @@ def test_non_numeric_attributes():
     assert np.array_equal(out.y, np.broadcast_to(args["offset"], out.y.shape))
 
 
+@pytest.mark.parametrize("value", ["no", "", 1, 0, np.bool_(True), 1.0, [True],
+                                   object(), np.array(True)], ids=repr)
+def test_is_training_accepts_only_a_bool(value):
+    # TensorFlow's op wrappers: TypeError for anything but a Python bool (None: the default).
+    for op, args in (("FusedBatchNormV3", _forward_args()), ("FusedBatchNormGradV3", _grad_args())):
+        with pytest.raises(TypeError, match=re.escape(
+                f"Expected bool for argument 'is_training' not {value!r}.")):
+            getattr(raw_ops, op)(**args, is_training=value)
+    with pytest.raises(TypeError, match="Expected bool for argument 'is_training'"):
+        a = _forward_args()
+        nn.fused_batch_norm(a["x"], a["scale"], a["offset"], a["mean"], a["variance"],
+                            is_training=value)
+
+
+@pytest.mark.parametrize("value", ["no", "", 2, 0.5, object(), [True], np.array(True)], ids=repr)
+def test_layer_training_must_be_a_bool_or_0_or_1(value):
+    layer = fbn.layers.BatchNormalization()
+    x = np.ones((4, 3), F32)
+    with pytest.raises(TypeError, match=re.escape(
+            "`training` must be a Python bool, or 1 or 0, or an fbn.TrainingFlag. Received: "
+            f"{type(value)}")):
+        layer(x, training=value)
+    assert not layer.built  # nothing was created or updated
+    y = layer(x, training=1)  # 1 and 0 (and numpy's 1/0 scalars) are accepted, as in TensorFlow
+    assert layer.built and np.asarray(y).shape == x.shape
+    before = np.array(layer.moving_mean.numpy())
+    with pytest.raises(TypeError):
+        layer(x + 5, training=value)
+    assert np.array_equal(layer.moving_mean.numpy(), before)
+    # The Keras V2 layer turns a Python int into a bool first (2 is True there, as in Keras).
+    v2 = fbn.layers.BatchNormalizationV2()
+    if isinstance(value, int):
+        v2(x, training=value)
+    else:
+        with pytest.raises(TypeError, match="`training` must be a Python bool"):
+            v2(x, training=value)
+
+
 @pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1.0, -1e-30, 0.0])
 def test_hostile_epsilon_never_crashes(eps):
     args = _forward_args()
@@ -484,6 +522,11 @@ def test_private_binding_with_inconsistent_arguments():
     out = proc.stdout
     assert "dtype code 9 : InvalidArgumentError" in out
     assert "code says double for float32 data : InvalidArgumentError" in out
+    # A version outside 1..3 is rejected first (ParseDataFormat is the binding's first call).
+    assert ("version 7 : InvalidArgumentError ParseDataFormat: argument version must be "
+            "fbn::OpVersion::kV1, kV2 or kV3") in out
+    assert ("version -1 grad : InvalidArgumentError ParseDataFormat: argument version must be "
+            "fbn::OpVersion::kV1, kV2 or kV3") in out
 
 
 # ---------------------------------------------------------------------------------------------

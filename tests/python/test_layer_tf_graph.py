@@ -237,3 +237,36 @@ def test_keyword_arguments_and_defaults_match_tensorflow():
     ours = _signature(fbn.layers.BatchNormalization.__init__)
     assert ours == [(n, k, d.replace("Zeros", "Initializer").replace("Ones", "Initializer")
                      if isinstance(d, str) else d) for n, k, d in tf_init]
+
+
+# `training`: TensorFlow accepts a bool or a value equal to 1 or 0 (the Keras V2 layer first turns
+# a Python int into a bool) and raises TypeError for anything else. fbn raises before the layer
+# is built (TensorFlow builds it first), so only the outcome is compared.
+_TRAINING_VALUES = ["no", "", "True", 2, -1, 1, 0, 1.0, 0.0, 0.5, np.True_, np.int64(0),
+                    np.float32(1), None, object(), [True], np.array(True)]
+
+
+@pytest.mark.parametrize("form", ["V1 layer", "V1 function", "V2 layer"])
+def test_training_argument_types_match_tensorflow(form):
+    def outcomes(api, make_call):
+        result = []
+        with api.context():
+            x = api.x([4, 3])
+            for value in _TRAINING_VALUES:
+                try:
+                    make_call(api)(x, value)
+                    result.append((repr(value), "ok"))
+                except TypeError:
+                    result.append((repr(value), "TypeError"))
+        return result
+
+    def make_call(api):
+        if form == "V1 layer":
+            return lambda x, value: api.BN()(x, training=value)
+        if form == "V1 function":
+            return lambda x, value: api.bn(x, training=value)
+        v2 = tf.keras.layers.BatchNormalization if isinstance(api, TFApi) else \
+            fbn.layers.BatchNormalizationV2
+        return lambda x, value: v2()(x, training=value)
+
+    assert outcomes(FbnApi(), make_call) == outcomes(TFApi(), make_call)
