@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # Hardening runs: libFuzzer harnesses under ASan+UBSan, and the C++ tests under ThreadSanitizer.
 #
-#   scripts/fuzz.sh [smoke]      build build-fuzz, replay tests/fuzz/regressions, then fuzz every
-#                                harness for FUZZ_SECONDS (default 25) each: the CI step (< 4 min
-#                                after the build)
+#   scripts/fuzz.sh [smoke]      build build/fuzz, replay tests/fuzz/regressions, then fuzz every
+#                                harness for FUZZ_SECONDS (default 25) each
 #   scripts/fuzz.sh long         the same with FUZZ_SECONDS=600 by default, FUZZ_JOBS parallel jobs
 #   scripts/fuzz.sh regressions  only replay the saved inputs
-#   scripts/fuzz.sh tsan         build build-tsan (clang, -DFBN_SANITIZE=thread) and run the
-#                                concurrency stress tests and every C++ test under TSan
+#   scripts/fuzz.sh tsan         build build/tsan (clang, -DFBN_SANITIZE=thread) and run the
+#                                concurrency stress tests (FBN_STRESS_ROUNDS passes, default 3) and
+#                                every other C++ test under TSan
 #   scripts/fuzz.sh all          smoke, then tsan
 #
+# CI (scripts/test.sh without --fast) runs `FUZZ_SECONDS=20 scripts/fuzz.sh smoke` and
+# `scripts/fuzz.sh tsan`: about 2.5 + 2 minutes on 2 cores, builds included. A longer campaign:
+# `FUZZ_SECONDS=600 FUZZ_JOBS=2 scripts/fuzz.sh long`, `FBN_STRESS_ROUNDS=50 scripts/fuzz.sh tsan`.
+#
 # Environment: FUZZ_SECONDS, FUZZ_JOBS (default 1), FUZZ_ONLY (a harness name to run alone),
-# FUZZ_BUILD_DIR (build-fuzz), TSAN_BUILD_DIR (build-tsan), FBN_STRESS_ROUNDS (stress passes),
+# FUZZ_BUILD_DIR (build/fuzz), TSAN_BUILD_DIR (build/tsan), FBN_STRESS_ROUNDS (stress passes),
 # BUILD_JOBS (2). Findings go to $FUZZ_BUILD_DIR/artifacts/<harness>/ (crash-*, timeout-*, oom-*);
 # new corpus entries to $FUZZ_BUILD_DIR/corpus/<harness>/. Exit status: non-zero on any finding.
+# Every run prints a per-harness summary: executions, executions per second, corpus size, findings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-smoke}
 build_jobs=${BUILD_JOBS:-2}
-fuzz_dir=${FUZZ_BUILD_DIR:-build-fuzz}
-tsan_dir=${TSAN_BUILD_DIR:-build-tsan}
+fuzz_dir=${FUZZ_BUILD_DIR:-build/fuzz}
+tsan_dir=${TSAN_BUILD_DIR:-build/tsan}
 CC_=${CC:-clang-14}
 CXX_=${CXX:-clang++-14}
 
@@ -57,14 +62,17 @@ replay_regressions() {
 }
 
 run_fuzzers() {
-  local seconds=$1 jobs=${FUZZ_JOBS:-1} failed=0 h corpus artifacts log execs status
+  local seconds=$1 jobs=${FUZZ_JOBS:-1} failed=0 h corpus artifacts log execs status findings
+  local line total=0 start elapsed
   local summary=()
   echo "== fuzzing: ${seconds}s per harness, $jobs job(s)"
+  printf '  %-32s %7s %12s %9s %7s  %s\n' harness seconds executions "execs/s" corpus result
   for h in $(harnesses); do
     corpus=$fuzz_dir/corpus/$h
     artifacts=$fuzz_dir/artifacts/$h/
     log=$fuzz_dir/$h.fuzz.log
     mkdir -p "$corpus" "$artifacts"
+    start=$SECONDS
     local seeds=()
     [ -d "tests/fuzz/seeds/$h" ] && seeds=("tests/fuzz/seeds/$h")
     local args=(-max_total_time="$seconds" -timeout=20 -rss_limit_mb=2048 -print_final_stats=1
@@ -76,17 +84,24 @@ run_fuzzers() {
       status=FINDING
       failed=1
     fi
+    elapsed=$((SECONDS - start))
     # With -jobs the statistics are in fuzz-<n>.log files; sum what there is.
     execs=$({ cat "$log"; cat fuzz-*.log 2>/dev/null || true; } |
             awk '/stat::number_of_executed_units/ {s += $2} END {print s + 0}')
-    summary+=("$(printf '  %-32s %6ss %12s execs  corpus %5d  %s' "$h" "$seconds" "$execs" \
-                 "$(ls "$corpus" | wc -l)" "$status")")
+    findings=$(find "$artifacts" -type f | wc -l)
+    [ $status = ok ] || status="FINDING ($findings file(s) in $artifacts; log $log)"
+    line=$(printf '  %-32s %7s %12s %9s %7d  %s' "$h" "${elapsed}s" "$execs" \
+                  "$((execs / (elapsed > 0 ? elapsed : 1)))" "$(ls "$corpus" | wc -l)" "$status")
+    echo "$line"
+    summary+=("$line")
+    total=$((total + execs))
     rm -f fuzz-*.log
-    if [ $status != ok ]; then
+    if [ "$status" != ok ]; then
       grep -E "ERROR|runtime error|fbn fuzz check|SUMMARY|Test unit written" "$log" | head -20 || true
     fi
   done
-  echo "== fuzzing summary"
+  echo "== fuzzing summary (${seconds}s per harness; $total executions in all)"
+  printf '  %-32s %7s %12s %9s %7s  %s\n' harness seconds executions "execs/s" corpus result
   printf '%s\n' "${summary[@]}"
   return $failed
 }

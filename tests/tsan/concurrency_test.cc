@@ -3,7 +3,7 @@
 // result must be bit-identical to the one computed serially on one thread. Built with the normal
 // tests; scripts/fuzz.sh tsan runs it (and the other C++ tests) under ThreadSanitizer.
 //
-// FBN_STRESS_ROUNDS (default 6) sets how many passes over all cases each caller thread makes.
+// FBN_STRESS_ROUNDS (default 20) sets how many passes over all cases each caller thread makes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
