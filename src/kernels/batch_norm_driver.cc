@@ -452,18 +452,23 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
     return;
   }
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
+  // Each task is whole channels (p.pieces == 1): statistics of all of them, their coefficients in
+  // one vector call, then the rewrite while the task's data is still in cache.
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
-    ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
+    const int64_t c0 = t * p.group, c1 = std::min(C, c0 + p.group);
+    for (int64_t c = c0; c < c1; ++c) {
       double m2 = 0;
-      e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &mean[c], &m2);
+      e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, 0, M, &mean[c], &m2);
       variance[c] = m2 / static_cast<double>(M);
       FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-      ForwardCoefficients(wide, c, c + 1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
+    }
+    ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
+    for (int64_t c = c0; c < c1; ++c) {
       for (int64_t n = 0; n < g.n; ++n) {
         const int64_t f0 = (n * C + c) * g.s;
         e.apply_flat(x, C, g.s, f0, f0 + g.s, k_mean, k_a, k_b, y, stream);
       }
-    });
+    }
   });
 }
 

@@ -314,69 +314,97 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   }
 }
 
-// Mean and centred sum of squares of one contiguous block (pivoted first pass, corrected second
-// pass, as CorrectedBlock explains).
+// Calls f(p, len) for the contiguous pieces of elements [v0, v1) of a channel laid out as planes
+// of S elements `plane_stride` apart from `base`.
+template <typename T, class F>
+HWY_INLINE void ForEachPiece(const T* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
+                             F&& f) {
+  int64_t plane = v0 / S, off = v0 % S;
+  for (int64_t v = v0; v < v1;) {
+    const int64_t len = S - off < v1 - v ? S - off : v1 - v;
+    f(base + plane * plane_stride + off, len);
+    v += len;
+    ++plane;
+    off = 0;
+  }
+}
+
+// Mean and centred sum of squares of elements [v0, v1) of a channel (one block: pivoted first
+// pass, corrected second pass, as CorrectedBlock explains). A block spans planes, so small
+// planes (7x7) do not pay a merge and the lane reductions each.
 template <typename T>
-HWY_INLINE void BlockTwoPass(const T* p, int64_t len, double& out_mean, double& out_m2) {
+HWY_INLINE void BlockTwoPass(const T* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
+                             double& out_mean, double& out_m2) {
   using A = Acc<T>;
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const A k = ToAcc(p[0]);
+  const int64_t len = v1 - v0;
+  const A k = ToAcc(base[(v0 / S) * plane_stride + v0 % S]);
   const auto vk = hn::Set(d, k);
   auto s0 = hn::Zero(d), s1 = hn::Zero(d);
-  int64_t i = 0;
-  for (; i + 2 * N <= len; i += 2 * N) {
-    s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
-    s1 = hn::Add(s1, hn::Sub(LoadAcc(d, p + i + N), vk));
-  }
-  for (; i + N <= len; i += N) s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
-  A s = hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
-  for (; i < len; ++i) s += ToAcc(p[i]) - k;
+  A s = 0;
+  ForEachPiece(base, plane_stride, S, v0, v1, [&](const T* p, int64_t n) {
+    int64_t i = 0;
+    for (; i + 2 * N <= n; i += 2 * N) {
+      s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
+      s1 = hn::Add(s1, hn::Sub(LoadAcc(d, p + i + N), vk));
+    }
+    for (; i + N <= n; i += N) s0 = hn::Add(s0, hn::Sub(LoadAcc(d, p + i), vk));
+    for (; i < n; ++i) s += ToAcc(p[i]) - k;
+  });
+  s += len >= N ? hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1))) : A(0);
   const A m = k + s / static_cast<A>(len);
   const auto vm = hn::Set(d, m);
   auto c0 = hn::Zero(d), c1 = hn::Zero(d), q0 = hn::Zero(d), q1 = hn::Zero(d);
-  i = 0;
-  for (; i + 2 * N <= len; i += 2 * N) {
-    const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
-    const auto d1 = hn::Sub(LoadAcc(d, p + i + N), vm);
-    c0 = hn::Add(c0, d0);
-    c1 = hn::Add(c1, d1);
-    q0 = hn::MulAdd(d0, d0, q0);
-    q1 = hn::MulAdd(d1, d1, q1);
-  }
-  for (; i + N <= len; i += N) {
-    const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
-    c0 = hn::Add(c0, d0);
-    q0 = hn::MulAdd(d0, d0, q0);
-  }
-  A c = hn::GetLane(hn::SumOfLanes(d, hn::Add(c0, c1)));
-  A q = hn::GetLane(hn::SumOfLanes(d, hn::Add(q0, q1)));
-  for (; i < len; ++i) {
-    const A dd = ToAcc(p[i]) - m;
-    c += dd;
-    q += dd * dd;
+  A c = 0, q = 0;
+  ForEachPiece(base, plane_stride, S, v0, v1, [&](const T* p, int64_t n) {
+    int64_t i = 0;
+    for (; i + 2 * N <= n; i += 2 * N) {
+      const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
+      const auto d1 = hn::Sub(LoadAcc(d, p + i + N), vm);
+      c0 = hn::Add(c0, d0);
+      c1 = hn::Add(c1, d1);
+      q0 = hn::MulAdd(d0, d0, q0);
+      q1 = hn::MulAdd(d1, d1, q1);
+    }
+    for (; i + N <= n; i += N) {
+      const auto d0 = hn::Sub(LoadAcc(d, p + i), vm);
+      c0 = hn::Add(c0, d0);
+      q0 = hn::MulAdd(d0, d0, q0);
+    }
+    for (; i < n; ++i) {
+      const A dd = ToAcc(p[i]) - m;
+      c += dd;
+      q += dd * dd;
+    }
+  });
+  if (len >= N) {
+    c += hn::GetLane(hn::SumOfLanes(d, hn::Add(c0, c1)));
+    q += hn::GetLane(hn::SumOfLanes(d, hn::Add(q0, q1)));
   }
   CorrectedBlock(static_cast<double>(len), static_cast<double>(m), static_cast<double>(c),
                  static_cast<double>(q), out_mean, out_m2);
 }
 
 // Channels-first: statistics of elements [v0, v1) of one channel, whose data is planes of S
-// contiguous elements `plane_stride` apart starting at `base`.
+// contiguous elements `plane_stride` apart starting at `base`: blocks of kRunBlock elements,
+// merged with Chan's formula.
 template <typename T>
 void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
               double* mean, double* m2) {
   const T* base = static_cast<const T*>(basev);
   double count = 0, mu = 0, q = 0;
-  int64_t v = v0;
-  while (v < v1) {
-    const int64_t plane = v / S, off = v % S;
-    int64_t len = S - off;
-    if (len > v1 - v) len = v1 - v;
-    if (len > kRunBlock) len = kRunBlock;
+  for (int64_t b0 = v0; b0 < v1; b0 += kRunBlock) {
+    const int64_t b1 = b0 + kRunBlock < v1 ? b0 + kRunBlock : v1;
     double bm, bq;
-    BlockTwoPass(base + plane * plane_stride + off, len, bm, bq);
-    ChanMerge(count, mu, q, static_cast<double>(len), bm, bq);
-    v += len;
+    BlockTwoPass(base, plane_stride, S, b0, b1, bm, bq);
+    if (count == 0) {  // what ChanMerge gives for the first block, without its divisions
+      count = static_cast<double>(b1 - b0);
+      mu = bm;
+      q = bq;
+    } else {
+      ChanMerge(count, mu, q, static_cast<double>(b1 - b0), bm, bq);
+    }
   }
   *mean = mu;
   *m2 = q;
