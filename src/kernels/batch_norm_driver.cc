@@ -373,14 +373,6 @@ void ForwardCoefficients(bool wide, int64_t c0, int64_t c1, const double* mean,
               static_cast<size_t>(c1 - c0) * us);
 }
 
-template <typename U>
-void BackwardCoefficients(int64_t c, double n, double sum_dy, double sum_dy_xc, const double* inv,
-                          const void* k1, void* k2, void* k0) {
-  const double a = static_cast<double>(static_cast<const U*>(k1)[c]);
-  static_cast<U*>(k0)[c] = static_cast<U>(-a * sum_dy / n);
-  static_cast<U*>(k2)[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc / n);
-}
-
 // Channels-last tensors with few rows (small batches) are reduced and rewritten in strips of
 // channels over all rows, each strip while it is still in the core's L2. A narrow strip of a long
 // row reads one or two lines per row at a large, often power-of-two stride: those map onto few
@@ -476,14 +468,11 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
                       double* sum_dy, double* sum_dy_xc, void* dx) {
   const bool wide = dtype == DataType::kFloat64;
-  auto coefficients = wide ? &BackwardCoefficients<double> : &BackwardCoefficients<float>;
   const size_t es = ElemBytes(dtype);
   const double n = static_cast<double>(g.per_channel());
   if (!FusePerChannel(g, 2.0 * static_cast<double>(es), 2)) {
     ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
-    for (int64_t c = 0; c < g.c; ++c) {
-      coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
-    }
+    BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
     BackwardApply(dtype, g, dy, x, k_mean, k1, k2, k0, dx);
     return;
   }
@@ -496,7 +485,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     ForEachRun(p, C, M, t, [&](int64_t c, int64_t, int64_t v0, int64_t v1) {
       e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, k_mean, c, &sum_dy[c], &sum_dy_xc[c],
                    nullptr, nullptr, false);
-      coefficients(c, n, sum_dy[c], sum_dy_xc[c], inv, k1, k2, k0);
+      BackwardCoefficients(wide, c, c + 1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       for (int64_t b = 0; b < g.n; ++b) {
         const int64_t f0 = (b * C + c) * g.s;
         e.backward_apply_flat(dy, x, C, g.s, f0, f0 + g.s, k_mean, k1, k2, k0, dx, stream);

@@ -66,6 +66,39 @@ void InverseStdT(int64_t n, const U* var, double eps, double* inv) {
   }
 }
 
+template <typename U>
+void BackwardCoefficientsT(int64_t c0, int64_t c1, double n, const double* sum_dy,
+                           const double* sum_dy_xc, const double* inv, const U* k1, U* k2, U* k0) {
+  const DD d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vn = hn::Set(d, n);
+  int64_t c = c0;
+  for (; c + N <= c1; c += N) {
+    const auto neg_a = hn::Neg(LoadAsDouble(d, k1 + c));
+    const auto vi = hn::LoadU(d, inv + c);
+    StoreFromDouble(d, hn::Div(hn::Mul(neg_a, hn::LoadU(d, sum_dy + c)), vn), k0 + c);
+    const auto t = hn::Mul(hn::Mul(hn::Mul(neg_a, vi), vi), hn::LoadU(d, sum_dy_xc + c));
+    StoreFromDouble(d, hn::Div(t, vn), k2 + c);
+  }
+  for (; c < c1; ++c) {
+    const double a = static_cast<double>(k1[c]);
+    k0[c] = static_cast<U>(-a * sum_dy[c] / n);
+    k2[c] = static_cast<U>(-a * inv[c] * inv[c] * sum_dy_xc[c] / n);
+  }
+}
+
+void BackwardCoefficientsImpl(bool wide, int64_t c0, int64_t c1, double n, const double* sum_dy,
+                              const double* sum_dy_xc, const double* inv, const void* k1, void* k2,
+                              void* k0) {
+  if (wide) {
+    BackwardCoefficientsT(c0, c1, n, sum_dy, sum_dy_xc, inv, static_cast<const double*>(k1),
+                          static_cast<double*>(k2), static_cast<double*>(k0));
+  } else {
+    BackwardCoefficientsT(c0, c1, n, sum_dy, sum_dy_xc, inv, static_cast<const float*>(k1),
+                          static_cast<float*>(k2), static_cast<float*>(k0));
+  }
+}
+
 void ScaleOverStdImpl(bool wide, int64_t n, const double* var, const void* scale, double eps,
                       void* a) {
   if (wide) {
@@ -104,6 +137,7 @@ namespace fbn::kernels {
 HWY_EXPORT(ScaleOverStdImpl);
 HWY_EXPORT(ScaleOverStdOfUImpl);
 HWY_EXPORT(InverseStdImpl);
+HWY_EXPORT(BackwardCoefficientsImpl);
 
 void ScaleOverStd(bool wide, int64_t n, const double* var, const void* scale, double eps, void* a) {
   HWY_DYNAMIC_DISPATCH(ScaleOverStdImpl)(wide, n, var, scale, eps, a);
@@ -116,6 +150,13 @@ void ScaleOverStdOfU(bool wide, int64_t n, const void* var, const void* scale, d
 
 void InverseStd(bool wide, int64_t n, const void* var, double eps, double* inv) {
   HWY_DYNAMIC_DISPATCH(InverseStdImpl)(wide, n, var, eps, inv);
+}
+
+void BackwardCoefficients(bool wide, int64_t c0, int64_t c1, double n, const double* sum_dy,
+                          const double* sum_dy_xc, const double* inv, const void* k1, void* k2,
+                          void* k0) {
+  HWY_DYNAMIC_DISPATCH(BackwardCoefficientsImpl)
+  (wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
 }
 
 }  // namespace fbn::kernels

@@ -18,6 +18,12 @@ void ScaleOverStdOfU(bool wide, int64_t n, const void* var, const void* scale, d
 // inv[c] = 1 / sqrt(var[c] + eps), var of type U.
 void InverseStd(bool wide, int64_t n, const void* var, double eps, double* inv);
 
+// k0[c] = U(-k1[c]·sum_dy[c] / n), k2[c] = U(-k1[c]·inv[c]²·sum_dy_xc[c] / n) for c in
+// [c0, c1); k1, k2, k0 of type U.
+void BackwardCoefficients(bool wide, int64_t c0, int64_t c1, double n, const double* sum_dy,
+                          const double* sum_dy_xc, const double* inv, const void* k1, void* k2,
+                          void* k0);
+
 }  // namespace fbn::kernels
 
 #endif  // FBN_KERNELS_CHANNEL_MATH_H_

@@ -2,10 +2,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fbn/ops.h"
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/channel_math.h"
 #include "ops/op_common.h"
 #include "ops/validation.h"
 
@@ -135,16 +137,18 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
     }
     return;
   } else {
-    for (size_t c = 0; c < uc; ++c) {
-      k_mean[c] = old_mean[c];
-      k_a[c] = static_cast<U>(static_cast<double>(scale[c]) /
-                              std::sqrt(static_cast<double>(old_var[c]) + eps));
-      k_b[c] = offset[c];
-      // Read every input before writing: outputs may alias the mean/variance inputs.
-      const U m = old_mean[c], v = old_var[c];
-      batch_mean[c] = rs1[c] = m;
-      batch_var[c] = rs2[c] = v;
-    }
+    kernels::ScaleOverStdOfU(std::is_same_v<U, double>, C, old_var, scale, eps, k_a);
+    // Inputs are copied to scratch before any output is written: outputs may alias the
+    // mean/variance inputs.
+    const size_t bytes = uc * sizeof(U);
+    U* var_copy = reinterpret_cast<U*>(var_d);
+    std::memcpy(k_mean, old_mean, bytes);
+    std::memcpy(var_copy, old_var, bytes);
+    std::memcpy(k_b, offset, bytes);
+    std::memcpy(batch_mean, k_mean, bytes);
+    std::memcpy(rs1, k_mean, bytes);
+    std::memcpy(batch_var, var_copy, bytes);
+    std::memcpy(rs2, var_copy, bytes);
     kernels::Apply(in.x.dtype, g, in.x.data, k_mean, k_a, k_b, out.y.data);
   }
 }

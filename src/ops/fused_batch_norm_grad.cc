@@ -1,9 +1,11 @@
 // FusedBatchNormGrad / V2 / V3: validation in TensorFlow's order, then the kernels.
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "fbn/ops.h"
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/channel_math.h"
 #include "ops/op_common.h"
 #include "ops/validation.h"
 
@@ -116,8 +118,8 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
   U* k2 = k1 + uc;
   U* k0 = k2 + uc;
   const double eps = static_cast<double>(attrs.epsilon);
+  kernels::InverseStd(std::is_same_v<U, double>, g.c, var, eps, inv);
   for (size_t c = 0; c < uc; ++c) {
-    inv[c] = 1.0 / std::sqrt(static_cast<double>(var[c]) + eps);
     k_mean[c] = mean[c];
     k1[c] = static_cast<U>(static_cast<double>(scale[c]) * inv[c]);
   }
