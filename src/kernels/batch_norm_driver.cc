@@ -373,40 +373,11 @@ void ForwardCoefficients(bool wide, int64_t c0, int64_t c1, const double* mean,
               static_cast<size_t>(c1 - c0) * us);
 }
 
-// Channels-last tensors with few rows (small batches) are reduced and rewritten in strips of
-// channels over all rows, each strip while it is still in the core's L2. A narrow strip of a long
-// row reads one or two lines per row at a large, often power-of-two stride: those map onto few
-// cache sets and are evicted before the rewrite, so such tensors take the row-partitioned path.
-constexpr int64_t kStripChannels = 16;  // strip widths are multiples of this
-constexpr double kStripBytes = 512.0 * 1024;
-
-struct StripPartition {
-  int64_t width = 0, tasks = 0;  // tasks == 0: do not fuse
-};
-StripPartition PartitionStrips(const Geometry& g, double element_bytes) {
-  StripPartition p;
-  if (!g.channels_last || g.c == 0) return p;
-  const double channel_bytes = static_cast<double>(g.per_channel()) * element_bytes;
-  const int64_t fits = static_cast<int64_t>(kStripBytes / channel_bytes);
-  const int64_t widest = fits >= g.c ? g.c : fits / kStripChannels * kStripChannels;
-  // Per row a strip reads at least half the row or 256 contiguous bytes.
-  const bool wide_enough = 2 * widest >= g.c || static_cast<double>(widest) * element_bytes >= 256;
-  if (widest == 0 || !wide_enough) return p;
-  p.tasks = CeilDiv(g.c, widest);
-  // Equal strips, rounded up to whole units.
-  p.width = std::min(g.c, CeilDiv(CeilDiv(g.c, p.tasks), kStripChannels) * kStripChannels);
-  p.tasks = CeilDiv(g.c, p.width);
-  return p;
-}
-
-// Reduce and rewrite in one task while the data is in cache: channels-first channels that fit one
-// reduction task, channels-last tensors whose channel strips fit one.
-bool FusePerChannel(const Geometry& g, double bytes_per_element, int tensors) {
-  // Channels-last backward strips (dy, x and dx at a row stride) lose to the row-partitioned
-  // path on every shape tried, so only the forward fuses them.
-  if (g.channels_last) {
-    return tensors == 1 && PartitionStrips(g, bytes_per_element).tasks > 0;
-  }
+// Channels-first channels that fit one reduction task can be reduced and then rewritten while
+// their data is still in cache. (Channels-last strips of channels over all rows were tried for
+// small batches: with each thread keeping its rows across calls they gained nothing.)
+bool FusePerChannel(const Geometry& g, double bytes_per_element) {
+  if (g.channels_last) return false;
   return PartitionRuns(g.c, g.per_channel(), bytes_per_element).pieces == 1;
 }
 
@@ -417,7 +388,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
                      void* k_a, void* k_b, void* y) {
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
-  if (!FusePerChannel(g, static_cast<double>(es), 1)) {
+  if (!FusePerChannel(g, static_cast<double>(es))) {
     ComputeStats(dtype, g, x, mean, variance);
     ForwardCoefficients(wide, 0, g.c, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     Apply(dtype, g, x, k_mean, k_a, k_b, y);
@@ -427,22 +398,6 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
   const bool stream = StreamOutput(g, es);
   const int64_t C = g.c, M = g.per_channel();
-  if (g.channels_last) {
-    const StripPartition sp = PartitionStrips(g, static_cast<double>(es));
-    const double inv_count = 1.0 / static_cast<double>(M);
-    double* tmp = Scratch(3 * static_cast<size_t>(C));  // strips use disjoint channels of it
-    threading::ParallelFor(sp.tasks, threads, [&](int64_t t) {
-      const int64_t c0 = t * sp.width, c1 = std::min(C, c0 + sp.width);
-      e.stats_rows(x, C, c0, c1, 0, M, mean, variance, tmp);
-      for (int64_t c = c0; c < c1; ++c) {
-        variance[c] *= inv_count;
-        FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-      }
-      ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-      e.apply_rows(x, C, c0, c1, 0, M, k_mean, k_a, k_b, y, stream);
-    });
-    return;
-  }
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
   // Each task is whole channels (p.pieces == 1): statistics of all of them, their coefficients in
   // one vector call, then the rewrite while the task's data is still in cache.
@@ -470,7 +425,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   const double n = static_cast<double>(g.per_channel());
-  if (!FusePerChannel(g, 2.0 * static_cast<double>(es), 2)) {
+  if (!FusePerChannel(g, 2.0 * static_cast<double>(es))) {
     ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
     BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
     BackwardApply(dtype, g, dy, x, k_mean, k1, k2, k0, dx);

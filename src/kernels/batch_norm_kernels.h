@@ -31,9 +31,8 @@ struct Geometry {
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean, double* variance);
 
 // Training forward: statistics, then y = (x - mean)·a + offset with a = scale / sqrt(var + eps).
-// Channels-first channels small enough for one reduction task, and channels-last strips of
-// channels (over all rows) of small-batch tensors, are normalized right after their statistics,
-// while still in cache (one read of x instead of two). scale/offset and the scratch
+// Channels-first channels small enough for one reduction task are normalized right after their
+// statistics, while still in cache (one DRAM read instead of two). scale/offset and the scratch
 // arrays k_mean/k_a/k_b (C each, filled here) are of the accumulation type, as for Apply.
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
