@@ -76,21 +76,38 @@ const void* Offset(const void* p, int64_t elements, size_t elem_bytes) {
   return static_cast<const char*>(p) + static_cast<size_t>(elements) * elem_bytes;
 }
 
-// Contiguous ranges of rows (channels-last) for a reduction.
+// Channels-last reduction tasks: contiguous ranges of rows, and when there are too few rows to
+// split (batch-1 7x7x2048), also groups of channels. Task t covers row range t / groups and
+// channel group t % groups; every (row range, channel) pair belongs to exactly one task.
 struct RowPartition {
   int64_t rows_per_task;
-  int64_t tasks;
+  int64_t row_tasks;
+  int64_t width;   // channels per group (a multiple of 16 unless it is C)
+  int64_t groups;  // channel groups
+  int64_t tasks() const { return row_tasks * groups; }
 };
 // A task's fixed work is O(C) (zeroing and merging its per-channel partials), so it gets at least
 // this many rows to amortize it.
 constexpr int64_t kMinRowsPerTask = 64;
+constexpr int64_t kGroupChannels = 16;
 
-RowPartition PartitionRows(int64_t rows, double row_bytes) {
+RowPartition PartitionRows(int64_t rows, int64_t channels, double channel_bytes) {
+  const double row_bytes = static_cast<double>(channels) * channel_bytes;
+  const double wanted_total = static_cast<double>(rows) * row_bytes / kReduceTaskBytes;
   const int64_t wanted =
-      ClampTasks(static_cast<double>(rows) * row_bytes / kReduceTaskBytes,
-                 std::min<int64_t>(CeilDiv(rows, kMinRowsPerTask), kMaxReduceTasks));
-  const int64_t per = CeilDiv(rows, wanted);
-  return {per, CeilDiv(rows, per)};
+      ClampTasks(wanted_total, std::min<int64_t>(CeilDiv(rows, kMinRowsPerTask), kMaxReduceTasks));
+  RowPartition p;
+  p.rows_per_task = CeilDiv(rows, wanted);
+  p.row_tasks = CeilDiv(rows, p.rows_per_task);
+  p.width = channels;
+  p.groups = 1;
+  const int64_t more = ClampTasks(wanted_total / static_cast<double>(p.row_tasks),
+                                  std::max<int64_t>(1, channels / kGroupChannels));
+  if (more > 1) {
+    p.width = CeilDiv(CeilDiv(channels, more), kGroupChannels) * kGroupChannels;
+    p.groups = CeilDiv(channels, p.width);
+  }
+  return p;
 }
 
 // Channels-first reduction: each channel's M elements split into `pieces` ranges of `piece_len`;
@@ -150,8 +167,8 @@ double PlainMean(const Geometry& g, const void* xv, int64_t c) {
   return sum / static_cast<double>(g.per_channel());
 }
 
-void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, int64_t c, double* mean) {
-  if (!std::isnan(*mean)) return;
+void FixNonFiniteMeanSlow(DataType dtype, const Geometry& g, const void* x, int64_t c,
+                          double* mean) {
   switch (dtype) {
     case DataType::kFloat16:
       *mean = PlainMean<Half>(g, x, c);
@@ -168,6 +185,11 @@ void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, int64_t 
   }
 }
 
+inline void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, int64_t c,
+                             double* mean) {
+  if (std::isnan(*mean)) FixNonFiniteMeanSlow(dtype, g, x, c, mean);
+}
+
 }  // namespace
 
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
@@ -178,36 +200,41 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
-    const RowPartition p = PartitionRows(rows, static_cast<double>(C) * static_cast<double>(es));
+    const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
-    double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
-    threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
-      double* s = partial + slot * static_cast<size_t>(t);
-      const int64_t r0 = t * p.rows_per_task;
-      e.stats_rows(x, C, 0, C, r0, std::min(rows, r0 + p.rows_per_task), s, s + C, s + 2 * C);
+    double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
+    threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
+      const int64_t rt = t / p.groups, c0 = (t % p.groups) * p.width;
+      double* s = partial + slot * static_cast<size_t>(rt);
+      const int64_t r0 = rt * p.rows_per_task;
+      e.stats_rows(x, C, c0, std::min(C, c0 + p.width), r0, std::min(rows, r0 + p.rows_per_task), s,
+                   s + C, s + 2 * C);
     });
-    // Every channel has the same per-task counts: Chan's weights once per task.
-    std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.tasks));
+    // Every channel has the same per-task counts: Chan's weights once per row range.
+    std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.row_tasks));
     ChanWeights(
-        p.tasks,
+        p.row_tasks,
         [&](int64_t t) {
           const int64_t r0 = t * p.rows_per_task;
           return static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
         },
         w.data());
+    // Row ranges outer, channels inner: the same per-channel operations in the same order as a
+    // per-channel loop, but vectorizable (wide batch-1 layers have thousands of channels).
     const double inv_count = 1.0 / static_cast<double>(rows);
-    for (int64_t c = 0; c < C; ++c) {
-      double mu = 0, m2 = 0;
-      for (int64_t t = 0; t < p.tasks; ++t) {
-        const double* s = partial + slot * static_cast<size_t>(t);
-        const double delta = s[c] - mu;
-        mu += delta * w[2 * t];
-        m2 += s[C + c] + delta * delta * w[2 * t + 1];
+    std::fill(mean, mean + C, 0.0);
+    std::fill(variance, variance + C, 0.0);  // M2 until the end
+    for (int64_t t = 0; t < p.row_tasks; ++t) {
+      const double* s = partial + slot * static_cast<size_t>(t);
+      const double w0 = w[2 * t], w1 = w[2 * t + 1];
+      for (int64_t c = 0; c < C; ++c) {
+        const double delta = s[c] - mean[c];
+        mean[c] += delta * w0;
+        variance[c] += s[C + c] + delta * delta * w1;
       }
-      mean[c] = mu;
-      variance[c] = m2 * inv_count;
-      FixNonFiniteMean(dtype, g, x, c, &mean[c]);
     }
+    for (int64_t c = 0; c < C; ++c) variance[c] *= inv_count;
+    for (int64_t c = 0; c < C; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
     return;
   }
   const int64_t M = g.per_channel();
@@ -278,24 +305,26 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
-    const RowPartition p =
-        PartitionRows(rows, 2.0 * static_cast<double>(C) * static_cast<double>(es));
+    const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
-    double* partial = Scratch(slot * static_cast<size_t>(p.tasks));
-    threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
-      double* s = partial + slot * static_cast<size_t>(t);
-      const int64_t r0 = t * p.rows_per_task;
-      e.reduce_rows(dy, x, C, 0, C, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
-                    dx, s + 2 * C, stream);
+    double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
+    threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
+      const int64_t rt = t / p.groups, c0 = (t % p.groups) * p.width;
+      double* s = partial + slot * static_cast<size_t>(rt);
+      const int64_t r0 = rt * p.rows_per_task;
+      e.reduce_rows(dy, x, C, c0, std::min(C, c0 + p.width), r0,
+                    std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx, s + 2 * C,
+                    stream);
     });
-    for (int64_t c = 0; c < C; ++c) {
-      double s0 = 0, s1 = 0;
-      for (int64_t t = 0; t < p.tasks; ++t) {
-        s0 += partial[slot * static_cast<size_t>(t) + static_cast<size_t>(c)];
-        s1 += partial[slot * static_cast<size_t>(t) + static_cast<size_t>(C + c)];
+    // Row ranges outer, channels inner (vectorizable; same order per channel).
+    std::fill(sum_dy, sum_dy + C, 0.0);
+    std::fill(sum_dy_xc, sum_dy_xc + C, 0.0);
+    for (int64_t t = 0; t < p.row_tasks; ++t) {
+      const double* s = partial + slot * static_cast<size_t>(t);
+      for (int64_t c = 0; c < C; ++c) {
+        sum_dy[c] += s[c];
+        sum_dy_xc[c] += s[C + c];
       }
-      sum_dy[c] = s0;
-      sum_dy_xc[c] = s1;
     }
     return;
   }

@@ -1148,6 +1148,19 @@ INSTANTIATE_TEST_SUITE_P(All, ReferenceSweep,
 // CPU kernel transposes channels-first to channels-last). The two runs sum in different orders,
 // so each result is held to the reference tolerance of the other.
 
+// Wide channels-last tensors with few rows (batch-1 7x7x2051): the reductions split the
+// channels into groups of 16 (the last one a tail of 3).
+TEST(ReferenceWideFewRows, AllPasses) {
+  for (DataType t : kAllDtypes) {
+    SCOPED_TRACE(DTypeTag(t));
+    const Shape xs{1, 7, 7, 2051};
+    CheckForwardTraining(t, TensorFormat::kNHWC, xs, 11);
+    CheckForwardInference(t, TensorFormat::kNHWC, xs, 12);
+    CheckGrad(t, TensorFormat::kNHWC, xs, true, 13);
+    CheckGrad(t, TensorFormat::kNHWC, xs, false, 14);
+  }
+}
+
 class LayoutEquivalence : public ::testing::TestWithParam<std::tuple<DataType, TensorFormat>> {};
 
 TEST_P(LayoutEquivalence, SameNumbers) {

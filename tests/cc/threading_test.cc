@@ -35,6 +35,8 @@ const Workload kWorkloads[] = {
     {"nhwc_c3", TensorFormat::kNHWC, {8, 128, 128, 3}},
     {"nchw_grouped", TensorFormat::kNCHW, {8, 32, 48, 48}},
     {"nchw_pieces", TensorFormat::kNCHW, {2, 1, 768, 704}},
+    // Too few rows to split: the reductions split the channels into groups (with a tail).
+    {"nhwc_channel_groups", TensorFormat::kNHWC, {1, 7, 7, 2051}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
