@@ -1149,7 +1149,7 @@ INSTANTIATE_TEST_SUITE_P(All, ReferenceSweep,
 // so each result is held to the reference tolerance of the other.
 
 // Wide channels-last tensors with few rows (batch-1 7x7x2051): the reductions split the
-// channels into groups of 16 (the last one a tail of 3).
+// channels into groups (multiples of 64 channels; the last one ends in a tail of 3).
 TEST(ReferenceWideFewRows, AllPasses) {
   for (DataType t : kAllDtypes) {
     SCOPED_TRACE(DTypeTag(t));
