@@ -18,45 +18,6 @@ using distributed::Gathered;
 using distributed::Pass;
 using distributed::PassInfo;
 
-Status CheckForwardOutputs(OpVersion version, const FusedBatchNormInputs& in,
-                           const FusedBatchNormAttrs& attrs, const FusedBatchNormOutputs& out) {
-  TensorSpec specs[kMaxOpOutputs];
-  int n = 0;
-  Status s = FusedBatchNormOutputSpecs(version, in, attrs, specs, &n);
-  if (!s.ok()) return s;
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&out.y, "y"},
-      {&out.batch_mean, "batch_mean"},
-      {&out.batch_variance, "batch_variance"},
-      {&out.reserve_space_1, "reserve_space_1"},
-      {&out.reserve_space_2, "reserve_space_2"},
-      {&out.reserve_space_3, "reserve_space_3"}};
-  for (int i = 0; i < n; ++i) {
-    if (!(s = ops::CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
-  }
-  return Status::Ok();
-}
-
-Status CheckGradOutputs(OpVersion version, const FusedBatchNormGradInputs& in,
-                        const FusedBatchNormGradAttrs& attrs,
-                        const FusedBatchNormGradOutputs& out) {
-  TensorSpec specs[kMaxOpOutputs];
-  int n = 0;
-  Status s = FusedBatchNormGradOutputSpecs(version, in, attrs, specs, &n);
-  if (!s.ok()) return s;
-  const bool v3 = version == OpVersion::kV3;
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&out.x_backprop, "x_backprop"},
-      {&out.scale_backprop, "scale_backprop"},
-      {&out.offset_backprop, "offset_backprop"},
-      {&out.reserve_space_a, v3 ? "reserve_space_4" : "reserve_space_3"},
-      {&out.reserve_space_b, v3 ? "reserve_space_5" : "reserve_space_4"}};
-  for (int i = 0; i < n; ++i) {
-    if (!(s = ops::CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
-  }
-  return Status::Ok();
-}
-
 template <typename U>
 Status RunForward(Communicator& comm, OpVersion version, const FusedBatchNormInputs& in,
                   const FusedBatchNormAttrs& attrs, const FusedBatchNormOutputs& out,
@@ -188,7 +149,8 @@ Status SyncFusedBatchNorm(Communicator& comm, OpVersion version, const FusedBatc
     if (!attrs.is_training || comm.size() == 1) {
       return FusedBatchNorm(version, inputs, attrs, outputs);
     }
-    Status s = CheckForwardOutputs(version, inputs, attrs, outputs);
+    TensorSpec specs[kMaxOpOutputs];
+    Status s = ops::CheckForwardOutputs(version, inputs, attrs, outputs, specs);
     if (!s.ok()) {
       distributed::ExchangeFailure(comm, PassInfo{Pass::kForward, inputs.x.dtype, 0, tag},
                                    s.message());
@@ -209,7 +171,8 @@ Status SyncFusedBatchNormGrad(Communicator& comm, OpVersion version,
     if (!attrs.is_training || comm.size() == 1) {
       return FusedBatchNormGrad(version, inputs, attrs, outputs);
     }
-    Status s = CheckGradOutputs(version, inputs, attrs, outputs);
+    TensorSpec specs[kMaxOpOutputs];
+    Status s = ops::CheckGradOutputs(version, inputs, attrs, outputs, specs);
     if (!s.ok()) {
       distributed::ExchangeFailure(comm, PassInfo{Pass::kBackward, inputs.x.dtype, 0, tag},
                                    s.message());

@@ -174,24 +174,36 @@ Status FusedBatchNormOutputSpecs(OpVersion version, const FusedBatchNormInputs& 
   });
 }
 
+namespace ops {
+
+Status CheckForwardOutputs(OpVersion version, const FusedBatchNormInputs& in,
+                           const FusedBatchNormAttrs& attrs, const FusedBatchNormOutputs& out,
+                           TensorSpec specs[kMaxOpOutputs]) {
+  int n = 0;
+  Status s = FusedBatchNormOutputSpecs(version, in, attrs, specs, &n);
+  if (!s.ok()) return s;
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&out.y, "y"},
+      {&out.batch_mean, "batch_mean"},
+      {&out.batch_variance, "batch_variance"},
+      {&out.reserve_space_1, "reserve_space_1"},
+      {&out.reserve_space_2, "reserve_space_2"},
+      {&out.reserve_space_3, "reserve_space_3"}};
+  for (int i = 0; i < n; ++i) {
+    if (!(s = CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
+  }
+  return Status::Ok();
+}
+
+}  // namespace ops
+
 Status FusedBatchNorm(OpVersion version, const FusedBatchNormInputs& inputs,
                       const FusedBatchNormAttrs& attrs,
                       const FusedBatchNormOutputs& outputs) noexcept {
   return ops::Guarded([&]() -> Status {
     TensorSpec specs[kMaxOpOutputs];
-    int n = 0;
-    Status s = FusedBatchNormOutputSpecs(version, inputs, attrs, specs, &n);
+    const Status s = ops::CheckForwardOutputs(version, inputs, attrs, outputs, specs);
     if (!s.ok()) return s;
-    const std::pair<const TensorView*, const char*> outs[] = {
-        {&outputs.y, "y"},
-        {&outputs.batch_mean, "batch_mean"},
-        {&outputs.batch_variance, "batch_variance"},
-        {&outputs.reserve_space_1, "reserve_space_1"},
-        {&outputs.reserve_space_2, "reserve_space_2"},
-        {&outputs.reserve_space_3, "reserve_space_3"}};
-    for (int i = 0; i < n; ++i) {
-      if (!(s = CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
-    }
     if (specs[1].dtype == DataType::kFloat64) {
       RunForward<double>(version, inputs, attrs, outputs);
     } else {

@@ -154,24 +154,36 @@ Status FusedBatchNormGradOutputSpecs(OpVersion version, const FusedBatchNormGrad
   });
 }
 
+namespace ops {
+
+Status CheckGradOutputs(OpVersion version, const FusedBatchNormGradInputs& in,
+                        const FusedBatchNormGradAttrs& attrs, const FusedBatchNormGradOutputs& out,
+                        TensorSpec specs[kMaxOpOutputs]) {
+  int n = 0;
+  Status s = FusedBatchNormGradOutputSpecs(version, in, attrs, specs, &n);
+  if (!s.ok()) return s;
+  const bool v3 = version == OpVersion::kV3;
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&out.x_backprop, "x_backprop"},
+      {&out.scale_backprop, "scale_backprop"},
+      {&out.offset_backprop, "offset_backprop"},
+      {&out.reserve_space_a, v3 ? "reserve_space_4" : "reserve_space_3"},
+      {&out.reserve_space_b, v3 ? "reserve_space_5" : "reserve_space_4"}};
+  for (int i = 0; i < n; ++i) {
+    if (!(s = CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
+  }
+  return Status::Ok();
+}
+
+}  // namespace ops
+
 Status FusedBatchNormGrad(OpVersion version, const FusedBatchNormGradInputs& inputs,
                           const FusedBatchNormGradAttrs& attrs,
                           const FusedBatchNormGradOutputs& outputs) noexcept {
   return ops::Guarded([&]() -> Status {
     TensorSpec specs[kMaxOpOutputs];
-    int n = 0;
-    Status s = FusedBatchNormGradOutputSpecs(version, inputs, attrs, specs, &n);
+    const Status s = ops::CheckGradOutputs(version, inputs, attrs, outputs, specs);
     if (!s.ok()) return s;
-    const bool v3 = version == OpVersion::kV3;
-    const std::pair<const TensorView*, const char*> outs[] = {
-        {&outputs.x_backprop, "x_backprop"},
-        {&outputs.scale_backprop, "scale_backprop"},
-        {&outputs.offset_backprop, "offset_backprop"},
-        {&outputs.reserve_space_a, v3 ? "reserve_space_4" : "reserve_space_3"},
-        {&outputs.reserve_space_b, v3 ? "reserve_space_5" : "reserve_space_4"}};
-    for (int i = 0; i < n; ++i) {
-      if (!(s = ops::CheckOutput(*outs[i].first, specs[i], outs[i].second)).ok()) return s;
-    }
     if (specs[1].dtype == DataType::kFloat64) {
       RunGrad<double>(inputs, attrs, outputs);
     } else {

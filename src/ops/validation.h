@@ -24,6 +24,15 @@ Status CheckTensor(const ConstTensorView& t, const char* name);
 // An output view must have exactly the spec's dtype and shape and non-null data when non-empty.
 Status CheckOutput(const TensorView& out, const TensorSpec& spec, const char* name);
 
+// Validates the inputs (FusedBatchNormOutputSpecs) and then every output view against its spec,
+// naming the output; `specs` receives the specs. Shared by the ops and synchronized batch norm.
+Status CheckForwardOutputs(OpVersion version, const FusedBatchNormInputs& in,
+                           const FusedBatchNormAttrs& attrs, const FusedBatchNormOutputs& out,
+                           TensorSpec specs[kMaxOpOutputs]);
+Status CheckGradOutputs(OpVersion version, const FusedBatchNormGradInputs& in,
+                        const FusedBatchNormGradAttrs& attrs, const FusedBatchNormGradOutputs& out,
+                        TensorSpec specs[kMaxOpOutputs]);
+
 // Runs f(), turning an escaping std::bad_alloc into ResourceExhausted: the op entry points are
 // noexcept.
 template <typename F>
