@@ -179,20 +179,7 @@ double PlainMean(const Geometry& g, const void* xv, int64_t c) {
 
 void FixNonFiniteMeanSlow(DataType dtype, const Geometry& g, const void* x, int64_t c,
                           double* mean) {
-  switch (dtype) {
-    case DataType::kFloat16:
-      *mean = PlainMean<Half>(g, x, c);
-      break;
-    case DataType::kBFloat16:
-      *mean = PlainMean<BFloat16>(g, x, c);
-      break;
-    case DataType::kFloat32:
-      *mean = PlainMean<float>(g, x, c);
-      break;
-    case DataType::kFloat64:
-      *mean = PlainMean<double>(g, x, c);
-      break;
-  }
+  WithType(dtype, [&](auto tag) { *mean = PlainMean<decltype(tag)>(g, x, c); });
 }
 
 inline void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, int64_t c,

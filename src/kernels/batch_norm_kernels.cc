@@ -241,7 +241,7 @@ HWY_INLINE int64_t ForEachStrip(D d, int64_t c0, int64_t c1, F&& f) {
   const int64_t cv = c0 + (c1 - c0) / N * N;
   int64_t c = c0;
   for (; c + kStripVectors * N <= cv; c += kStripVectors * N)
-    f(std::integral_constant<int, 4>(), c);
+    f(std::integral_constant<int, kStripVectors>(), c);
   switch ((cv - c) / N) {
     case 3:
       f(std::integral_constant<int, 3>(), c);

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fbn/types.h"
+
 namespace fbn::kernels {
 
 // 16-bit storage types are distinct structs so templates can tell them apart.
@@ -105,6 +107,25 @@ inline Half FromAcc<Half>(float v) {
 template <>
 inline BFloat16 FromAcc<BFloat16>(float v) {
   return ToBFloat16(v);
+}
+
+// Runs f(T{}) with the storage type T of `dtype` (Half, BFloat16, float or double).
+template <typename F>
+void WithType(DataType dtype, F&& f) {
+  switch (dtype) {
+    case DataType::kFloat16:
+      f(Half{});
+      break;
+    case DataType::kBFloat16:
+      f(BFloat16{});
+      break;
+    case DataType::kFloat32:
+      f(float{});
+      break;
+    case DataType::kFloat64:
+      f(double{});
+      break;
+  }
 }
 
 }  // namespace fbn::kernels

@@ -13,8 +13,7 @@
 namespace fbn {
 namespace {
 
-using kernels::BFloat16;
-using kernels::Half;
+using kernels::WithType;
 
 template <typename T>
 double Load(const void* p, int64_t i) {
@@ -23,25 +22,6 @@ double Load(const void* p, int64_t i) {
 template <typename T>
 void StoreD(void* p, int64_t i, double v) {
   static_cast<T*>(p)[i] = kernels::FromAcc<T>(static_cast<kernels::Acc<T>>(v));
-}
-
-// Runs f(T{}) with the storage type of `dtype`.
-template <typename F>
-void WithType(DataType dtype, F&& f) {
-  switch (dtype) {
-    case DataType::kFloat16:
-      f(Half{});
-      break;
-    case DataType::kBFloat16:
-      f(BFloat16{});
-      break;
-    case DataType::kFloat32:
-      f(float{});
-      break;
-    case DataType::kFloat64:
-      f(double{});
-      break;
-  }
 }
 
 // Normalized, sorted, de-duplicated axes; TensorFlow's texts for bad ones.
