@@ -1,6 +1,7 @@
 // Batch-norm kernels, written once against Highway and compiled per SIMD target (foreach_target),
 // plus the target-independent orchestration: task partitioning, threading and ordered merging.
 #include <type_traits>
+#include <vector>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/batch_norm_kernels.cc"
@@ -413,10 +414,152 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
 // ------------------------------------------------------------------------------------------------
 // Apply: y = (x - m)·a + b.
 
+#undef FBN_BF16_PAIRS
+#if HWY_TARGET != HWY_SCALAR
+#define FBN_BF16_PAIRS 1
+// bfloat16 pairs: 2·N adjacent values loaded as N 32-bit lanes split into the even-indexed
+// values (low halves, shifted up) and the odd ones (high halves, masked): one operation each
+// instead of a widening load and a shift per N values. Rounded back into the same halves and
+// or-ed, they store as one full vector with no narrowing or lane permutation; the per-channel
+// coefficients are split into even and odd lanes once per strip.
+template <class D>
+HWY_INLINE void LoadBF16Pair(D d, const BFloat16* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
+  const hn::RebindToUnsigned<D> du;
+  const auto raw = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+  even = hn::BitCast(d, hn::ShiftLeft<16>(raw));
+  odd = hn::BitCast(d, hn::And(raw, hn::Set(du, 0xFFFF0000u)));
+}
+
+// The 2·N bfloat16 values of (even, odd), rounded as BFloat16Bits, in storage order. NaN needs
+// its own rounding (the carry of a NaN's low bits could reach the exponent); one test per pair
+// finds it (inf - inf also takes that path, which rounds infinities exactly as well).
+template <class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> BF16PairBits(D d, hn::Vec<D> even, hn::Vec<D> odd) {
+  const hn::RebindToUnsigned<D> du;
+  const auto bias = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u), high = hn::Set(du, 0xFFFF0000u);
+  const auto be = hn::BitCast(du, even), bo = hn::BitCast(du, odd);
+  auto re = hn::ShiftRight<16>(hn::Add(be, hn::Add(bias, hn::And(hn::ShiftRight<16>(be), one))));
+  auto ro = hn::And(hn::Add(bo, hn::Add(bias, hn::And(hn::ShiftRight<16>(bo), one))), high);
+  if (HWY_UNLIKELY(!hn::AllFalse(d, hn::IsNaN(hn::Add(even, odd))))) {
+    re = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(even)),
+                        hn::Or(hn::ShiftRight<16>(be), hn::Set(du, 0x40u)), re);
+    ro = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(odd)),
+                        hn::Or(hn::And(bo, high), hn::Set(du, 0x400000u)), ro);
+  }
+  return hn::Or(re, ro);
+}
+
+template <class DU>
+HWY_INLINE void StorePairBits(DU du, hn::Vec<DU> bits, BFloat16* p, bool nt) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(p);
+  if (nt) {
+    hn::Stream(bits, du, out);
+  } else {
+    hn::StoreU(bits, du, out);
+  }
+}
+
+// Channels-first runs share one channel's coefficients: whole pairs of [i, end), from i on.
+// Streaming needs 4·N-byte alignment: one single vector first when p + i is only 2·N-aligned.
+template <class D, class F, class G>
+HWY_INLINE int64_t FlatPairs(D d, BFloat16* out, int64_t i, int64_t end, bool nt, F&& pair,
+                             G&& single) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const hn::RebindToUnsigned<D> du;
+  if (nt && reinterpret_cast<uintptr_t>(out + i) % static_cast<uintptr_t>(4 * N) != 0 &&
+      i + N <= end) {
+    single(i);
+    i += N;
+  }
+  for (; i + 2 * N <= end; i += 2 * N) StorePairBits(du, pair(i), out + i, nt);
+  return i;
+}
+
+template <class D>
+HWY_INLINE void SplitPair(D d, const float* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
+  const auto lo = hn::LoadU(d, p), hi = hn::LoadU(d, p + hn::Lanes(d));
+  even = hn::ConcatEven(d, hi, lo);
+  odd = hn::ConcatOdd(d, hi, lo);
+}
+
+// Row-by-row bfloat16 streaming reloads the coefficients from L1 for every row: they are split
+// into even and odd lanes once per call, into a grow-only per-thread buffer (`n` arrays of
+// channels [c0, c0 + width), each as [even N, odd N] per pair).
+template <class D>
+HWY_INLINE const float* SplitCoefficients(D d, const float* const* arrays, int n, int64_t c0,
+                                          int64_t width) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  thread_local std::vector<float> split;
+  if (split.size() < static_cast<size_t>(n * width)) split.resize(static_cast<size_t>(n * width));
+  float* sp = split.data();
+  for (int k = 0; k < n; ++k) {
+    for (int64_t c = 0; c < width; c += 2 * N) {
+      hn::Vec<D> ev, od;
+      SplitPair(d, arrays[k] + c0 + c, ev, od);
+      hn::StoreU(ev, d, sp + k * width + c);
+      hn::StoreU(od, d, sp + k * width + c + N);
+    }
+  }
+  return sp;
+}
+
+// bfloat16 strips stream whole vectors of pairs when every row's pairs start 4·N-byte aligned
+// (half-vector streaming stores, written strip by strip, leave lines partly written).
+template <typename T, class D>
+HWY_INLINE bool PairsStream(D d, int64_t C, int64_t c0, const T* y) {
+  const int64_t pair = 2 * static_cast<int64_t>(hn::Lanes(d));
+  return std::is_same_v<T, BFloat16> && C % pair == 0 && c0 % pair == 0 &&
+         reinterpret_cast<uintptr_t>(y) % static_cast<uintptr_t>(pair * 2) == 0;
+}
+
+// StripApply for bfloat16 with K >= 2: K / 2 pairs, then one single vector when K is odd.
+template <int K, class D>
+HWY_INLINE void StripApplyBF16(D d, const BFloat16* x, int64_t C, int64_t c, int64_t r0, int64_t r1,
+                               const float* mean, const float* a, const float* b, BFloat16* y,
+                               bool nt) {
+  constexpr int P = K / 2;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const hn::RebindToUnsigned<D> du;
+  hn::Vec<D> me[P], mo[P], ae[P], ao[P], bE[P], bO[P];
+  for (int p = 0; p < P; ++p) {
+    SplitPair(d, mean + c + 2 * p * N, me[p], mo[p]);
+    SplitPair(d, a + c + 2 * p * N, ae[p], ao[p]);
+    SplitPair(d, b + c + 2 * p * N, bE[p], bO[p]);
+  }
+  const int64_t cs = c + 2 * P * N;  // the single vector of an odd K
+  const auto vm = hn::LoadU(d, mean + cs), va = hn::LoadU(d, a + cs), vb = hn::LoadU(d, b + cs);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C + c;
+    for (int p = 0; p < P; ++p) {
+      hn::Vec<D> ev, od;
+      LoadBF16Pair(d, x + o + 2 * p * N, ev, od);
+      const auto bits = BF16PairBits(d, hn::MulAdd(hn::Sub(ev, me[p]), ae[p], bE[p]),
+                                     hn::MulAdd(hn::Sub(od, mo[p]), ao[p], bO[p]));
+      StorePairBits(du, bits, y + o + 2 * p * N, nt);
+    }
+    if (K % 2 == 1) {
+      const int64_t os = r * C + cs;
+      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + os), vm), va, vb), y + os, nt);
+    }
+  }
+}
+#else
+#define FBN_BF16_PAIRS 0
+template <typename T, class D>
+HWY_INLINE bool PairsStream(D, int64_t, int64_t, const T*) {
+  return false;
+}
+#endif
+
 // y = (x - m)·a + b for rows [r0, r1) of the strip at channel c; m, a, b stay in registers.
 template <int K, typename T, class D>
 HWY_INLINE void StripApply(D d, const T* x, int64_t C, int64_t c, int64_t r0, int64_t r1,
                            const Acc<T>* mean, const Acc<T>* a, const Acc<T>* b, T* y, bool nt) {
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
+    return StripApplyBF16<K>(d, x, C, c, r0, r1, mean, a, b, y, nt);
+  }
+#endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> vm[K], va[K], vb[K];
   for (int j = 0; j < K; ++j) {
@@ -462,7 +605,35 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     if (nt) hwy::FlushStream();
     return;
   }
-  // 16-bit rows stream row by row: written strip by strip they measured 40% slower.
+  // 16-bit rows stream row by row: written strip by strip they measured 40% slower (half-vector
+  // stores) and 20% slower (whole pairs, 32x56x56x256 bfloat16).
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (PairsStream(d, C, c0, y + r0 * C)) {
+      const int64_t width = c1 - c0;
+      const float* arrays[3] = {mean, a, b};
+      const float* sp = SplitCoefficients(d, arrays, 3, c0, width);
+      const hn::RebindToUnsigned<decltype(d)> du;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t o = r * C + c0;
+        for (int64_t c = 0; c < width; c += 2 * N) {
+          hn::Vec<decltype(d)> ev, od;
+          LoadBF16Pair(d, x + o + c, ev, od);
+          const float* m = sp + c;
+          const float* f = sp + width + c;
+          const float* g = sp + 2 * width + c;
+          const auto ye =
+              hn::MulAdd(hn::Sub(ev, hn::LoadU(d, m)), hn::LoadU(d, f), hn::LoadU(d, g));
+          const auto yo = hn::MulAdd(hn::Sub(od, hn::LoadU(d, m + N)), hn::LoadU(d, f + N),
+                                     hn::LoadU(d, g + N));
+          StorePairBits(du, BF16PairBits(d, ye, yo), y + o + c, true);
+        }
+      }
+      hwy::FlushStream();
+      return;
+    }
+  }
+#endif
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * C;
     T* yr = y + r * C;
@@ -498,6 +669,21 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
     if (nt) {
       for (; i < f + head; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
     }
+#if FBN_BF16_PAIRS
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      i = FlatPairs(
+          d, y, i, end, nt,
+          [&](int64_t j) {
+            hn::Vec<decltype(d)> ev, od;
+            LoadBF16Pair(d, x + j, ev, od);
+            return BF16PairBits(d, hn::MulAdd(hn::Sub(ev, vm), va, vb),
+                                hn::MulAdd(hn::Sub(od, vm), va, vb));
+          },
+          [&](int64_t j) {
+            StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + j), vm), va, vb), y + j, nt);
+          });
+    }
+#endif
     for (; i + N <= end; i += N) {
       StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i, nt);
     }
@@ -653,12 +839,55 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
 // ------------------------------------------------------------------------------------------------
 // Backward apply: dx = k1·dy + k2·(x - m) + k0.
 
+#if FBN_BF16_PAIRS
+// StripBackwardApply for bfloat16 with K >= 2, in pairs as StripApplyBF16.
+template <int K, class D>
+HWY_INLINE void StripBackwardApplyBF16(D d, const BFloat16* dy, const BFloat16* x, int64_t C,
+                                       int64_t c, int64_t r0, int64_t r1, const float* mean,
+                                       const float* k1, const float* k2, const float* k0,
+                                       BFloat16* dx, bool nt) {
+  constexpr int P = K / 2;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const hn::RebindToUnsigned<D> du;
+  hn::Vec<D> me[P], mo[P], e1[P], o1[P], e2[P], o2[P], e0[P], o0[P];
+  for (int p = 0; p < P; ++p) {
+    SplitPair(d, mean + c + 2 * p * N, me[p], mo[p]);
+    SplitPair(d, k1 + c + 2 * p * N, e1[p], o1[p]);
+    SplitPair(d, k2 + c + 2 * p * N, e2[p], o2[p]);
+    SplitPair(d, k0 + c + 2 * p * N, e0[p], o0[p]);
+  }
+  const int64_t cs = c + 2 * P * N;  // the single vector of an odd K
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C + c;
+    for (int p = 0; p < P; ++p) {
+      hn::Vec<D> xe, xo, ge, go;
+      LoadBF16Pair(d, x + o + 2 * p * N, xe, xo);
+      LoadBF16Pair(d, dy + o + 2 * p * N, ge, go);
+      const auto ve = hn::MulAdd(e2[p], hn::Sub(xe, me[p]), hn::MulAdd(e1[p], ge, e0[p]));
+      const auto vo = hn::MulAdd(o2[p], hn::Sub(xo, mo[p]), hn::MulAdd(o1[p], go, o0[p]));
+      StorePairBits(du, BF16PairBits(d, ve, vo), dx + o + 2 * p * N, nt);
+    }
+    if (K % 2 == 1) {
+      const int64_t os = r * C + cs;
+      const auto xc = hn::Sub(LoadAcc(d, x + os), hn::LoadU(d, mean + cs));
+      const auto t = hn::MulAdd(hn::LoadU(d, k1 + cs), LoadAcc(d, dy + os), hn::LoadU(d, k0 + cs));
+      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + cs), xc, t), dx + os, nt);
+    }
+  }
+}
+#endif
+
 // dx = k1·dy + k2·(x - m) + k0 for rows [r0, r1) of the strip at channel c, coefficients in
 // registers.
 template <int K, typename T, class D>
 HWY_INLINE void StripBackwardApply(D d, const T* dy, const T* x, int64_t C, int64_t c, int64_t r0,
                                    int64_t r1, const Acc<T>* mean, const Acc<T>* k1,
                                    const Acc<T>* k2, const Acc<T>* k0, T* dx, bool nt) {
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
+    return StripBackwardApplyBF16<K>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
+  }
+#endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> vm[K], v1[K], v2[K], v0[K];
   for (int j = 0; j < K; ++j) {
@@ -708,6 +937,36 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     if (nt) hwy::FlushStream();
     return;
   }
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (PairsStream(d, C, c0, dx + r0 * C)) {
+      // As in ApplyRows: rows in order, whole pairs, split coefficients from L1.
+      const int64_t width = c1 - c0;
+      const float* arrays[4] = {mean, k1, k2, k0};
+      const float* sp = SplitCoefficients(d, arrays, 4, c0, width);
+      const hn::RebindToUnsigned<decltype(d)> du;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t o = r * C + c0;
+        for (int64_t c = 0; c < width; c += 2 * N) {
+          hn::Vec<decltype(d)> xe, xo, ge, go;
+          LoadBF16Pair(d, x + o + c, xe, xo);
+          LoadBF16Pair(d, dy + o + c, ge, go);
+          const float* m = sp + c;
+          const float* f1 = sp + width + c;
+          const float* f2 = sp + 2 * width + c;
+          const float* f0 = sp + 3 * width + c;
+          const auto ve = hn::MulAdd(hn::LoadU(d, f2), hn::Sub(xe, hn::LoadU(d, m)),
+                                     hn::MulAdd(hn::LoadU(d, f1), ge, hn::LoadU(d, f0)));
+          const auto vo = hn::MulAdd(hn::LoadU(d, f2 + N), hn::Sub(xo, hn::LoadU(d, m + N)),
+                                     hn::MulAdd(hn::LoadU(d, f1 + N), go, hn::LoadU(d, f0 + N)));
+          StorePairBits(du, BF16PairBits(d, ve, vo), dx + o + c, true);
+        }
+      }
+      hwy::FlushStream();
+      return;
+    }
+  }
+#endif
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t o = r * C;
     int64_t c = c0;
@@ -753,6 +1012,23 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
     if (nt) {
       for (; i < f + head; ++i) scalar(i);
     }
+#if FBN_BF16_PAIRS
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      i = FlatPairs(
+          d, dx, i, end, nt,
+          [&](int64_t j) {
+            hn::Vec<decltype(d)> xe, xo, ge, go;
+            LoadBF16Pair(d, x + j, xe, xo);
+            LoadBF16Pair(d, dy + j, ge, go);
+            return BF16PairBits(d, hn::MulAdd(v2, hn::Sub(xe, vm), hn::MulAdd(v1, ge, v0)),
+                                hn::MulAdd(v2, hn::Sub(xo, vm), hn::MulAdd(v1, go, v0)));
+          },
+          [&](int64_t j) {
+            const auto xc = hn::Sub(LoadAcc(d, x + j), vm);
+            StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + j), v0)), dx + j, nt);
+          });
+    }
+#endif
     for (; i + N <= end; i += N) {
       const auto xc = hn::Sub(LoadAcc(d, x + i), vm);
       StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i, nt);
