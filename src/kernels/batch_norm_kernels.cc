@@ -602,7 +602,6 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
       T* yr = y + r * C;
       for (int64_t c = cv; c < c1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
     }
-    if (nt) hwy::FlushStream();
     return;
   }
   // 16-bit rows stream row by row: written strip by strip they measured 40% slower (half-vector
@@ -629,7 +628,6 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
           StorePairBits(du, BF16PairBits(d, ye, yo), y + o + c, true);
         }
       }
-      hwy::FlushStream();
       return;
     }
   }
@@ -644,7 +642,6 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     }
     for (; c < c1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
   }
-  if (nt) hwy::FlushStream();
 }
 
 // Channels-first: flat elements [f0, f1) of an N·C·S tensor.
@@ -690,7 +687,6 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
     for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
     f = end;
   }
-  if (stream) hwy::FlushStream();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -784,7 +780,6 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
       sum_dy_xc[c] += static_cast<double>(t[c]);
     }
   }
-  if (nt) hwy::FlushStream();
 }
 
 // Channels-first: elements [v0, v1) of channel c (planes `plane_stride` apart from the channel's
@@ -831,7 +826,6 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
     total_t += static_cast<double>(tt);
     v += len;
   }
-  if (dx && stream) hwy::FlushStream();
   *sum_dy = total_s;
   *sum_dy_xc = total_t;
 }
@@ -934,7 +928,6 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
         dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
       }
     }
-    if (nt) hwy::FlushStream();
     return;
   }
 #if FBN_BF16_PAIRS
@@ -962,7 +955,6 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
           StorePairBits(du, BF16PairBits(d, ve, vo), dx + o + c, true);
         }
       }
-      hwy::FlushStream();
       return;
     }
   }
@@ -980,7 +972,6 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
       dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
     }
   }
-  if (nt) hwy::FlushStream();
 }
 
 template <typename T>
@@ -1036,7 +1027,6 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
     for (; i < end; ++i) scalar(i);
     f = end;
   }
-  if (stream) hwy::FlushStream();
 }
 
 // ------------------------------------------------------------------------------------------------

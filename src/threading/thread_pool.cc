@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fbn/threading.h"
+#include "hwy/cache_control.h"
 
 namespace fbn::threading {
 namespace {
@@ -105,6 +106,7 @@ class Pool {
       const int64_t t0 = num_tasks_ * b / threads, t1 = num_tasks_ * (b + 1) / threads;
       for (int64_t t = t0; t < t1; ++t) fn_(context_, t);
     }
+    hwy::FlushStream();  // see ParallelForRaw
     t_inside_pool_task = was_inside;
   }
 
@@ -201,6 +203,11 @@ void ParallelForRaw(int64_t num_tasks, int max_threads, TaskFn fn, void* context
   const bool was_inside = t_inside_pool_task;
   t_inside_pool_task = true;
   for (int64_t t = 0; t < num_tasks; ++t) fn(context, t);
+  // Tasks may end in streaming (non-temporal) stores, which are weakly ordered: each thread fences
+  // them once per run, before the run completes, rather than each task after its last store (an
+  // sfence per 64 KB task, or per plane in the fused channels-first paths, waits for the
+  // write-combining buffers to drain).
+  hwy::FlushStream();
   t_inside_pool_task = was_inside;
 }
 
