@@ -139,6 +139,125 @@ HWY_INLINE int64_t StreamHead(D d, const T* p) {
   return static_cast<int64_t>((bytes - mis) / sizeof(T));
 }
 
+#undef FBN_BF16_PAIRS
+#if HWY_TARGET != HWY_SCALAR
+#define FBN_BF16_PAIRS 1
+// bfloat16 pairs: 2·N adjacent values loaded as N 32-bit lanes split into the even-indexed
+// values (low halves, shifted up) and the odd ones (high halves, masked): one operation each
+// instead of a widening load and a shift per N values. Rounded back into the same halves and
+// or-ed, they store as one full vector with no narrowing or lane permutation; the per-channel
+// coefficients are split into even and odd lanes once per strip.
+template <class D>
+HWY_INLINE void LoadBF16Pair(D d, const BFloat16* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
+  const hn::RebindToUnsigned<D> du;
+  const auto raw = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+  even = hn::BitCast(d, hn::ShiftLeft<16>(raw));
+  odd = hn::BitCast(d, hn::And(raw, hn::Set(du, 0xFFFF0000u)));
+}
+
+// The 2·N bfloat16 values of (even, odd), rounded as BFloat16Bits, in storage order. NaN needs
+// its own rounding (the carry of a NaN's low bits could reach the exponent); one test per pair
+// finds it (inf - inf also takes that path, which rounds infinities exactly as well).
+template <class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> BF16PairBits(D d, hn::Vec<D> even, hn::Vec<D> odd) {
+  const hn::RebindToUnsigned<D> du;
+  const auto bias = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u), high = hn::Set(du, 0xFFFF0000u);
+  const auto be = hn::BitCast(du, even), bo = hn::BitCast(du, odd);
+  auto re = hn::ShiftRight<16>(hn::Add(be, hn::Add(bias, hn::And(hn::ShiftRight<16>(be), one))));
+  auto ro = hn::And(hn::Add(bo, hn::Add(bias, hn::And(hn::ShiftRight<16>(bo), one))), high);
+  if (HWY_UNLIKELY(!hn::AllFalse(d, hn::IsNaN(hn::Add(even, odd))))) {
+    re = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(even)),
+                        hn::Or(hn::ShiftRight<16>(be), hn::Set(du, 0x40u)), re);
+    ro = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(odd)),
+                        hn::Or(hn::And(bo, high), hn::Set(du, 0x400000u)), ro);
+  }
+  return hn::Or(re, ro);
+}
+
+template <class DU>
+HWY_INLINE void StorePairBits(DU du, hn::Vec<DU> bits, BFloat16* p, bool nt) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(p);
+  if (nt) {
+    hn::Stream(bits, du, out);
+  } else {
+    hn::StoreU(bits, du, out);
+  }
+}
+
+// Channels-first runs share one channel's coefficients: whole pairs of [i, end), from i on.
+// Streaming needs 4·N-byte alignment: one single vector first when p + i is only 2·N-aligned.
+template <class D, class F, class G>
+HWY_INLINE int64_t FlatPairs(D d, BFloat16* out, int64_t i, int64_t end, bool nt, F&& pair,
+                             G&& single) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const hn::RebindToUnsigned<D> du;
+  if (nt && reinterpret_cast<uintptr_t>(out + i) % static_cast<uintptr_t>(4 * N) != 0 &&
+      i + N <= end) {
+    single(i);
+    i += N;
+  }
+  for (; i + 2 * N <= end; i += 2 * N) StorePairBits(du, pair(i), out + i, nt);
+  return i;
+}
+
+template <class D>
+HWY_INLINE void SplitPair(D d, const float* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
+  const auto lo = hn::LoadU(d, p), hi = hn::LoadU(d, p + hn::Lanes(d));
+  even = hn::ConcatEven(d, hi, lo);
+  odd = hn::ConcatOdd(d, hi, lo);
+}
+
+// Stores the even and odd lanes of a pair back in channel order (once per strip and block).
+template <class D>
+HWY_INLINE void StoreInterleaved(D d, hn::Vec<D> even, hn::Vec<D> odd, float* out) {
+  HWY_ALIGN float e[hn::MaxLanes(d)];
+  HWY_ALIGN float o[hn::MaxLanes(d)];
+  hn::Store(even, d, e);
+  hn::Store(odd, d, o);
+  for (size_t i = 0; i < hn::Lanes(d); ++i) {
+    out[2 * i] = e[i];
+    out[2 * i + 1] = o[i];
+  }
+}
+
+// Row-by-row bfloat16 streaming reloads the coefficients from L1 for every row: they are split
+// into even and odd lanes once per call, into a grow-only per-thread buffer (`n` arrays of
+// channels [c0, c0 + width), each as [even N, odd N] per pair).
+template <class D>
+HWY_INLINE const float* SplitCoefficients(D d, const float* const* arrays, int n, int64_t c0,
+                                          int64_t width) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  thread_local std::vector<float> split;
+  if (split.size() < static_cast<size_t>(n * width)) split.resize(static_cast<size_t>(n * width));
+  float* sp = split.data();
+  for (int k = 0; k < n; ++k) {
+    for (int64_t c = 0; c < width; c += 2 * N) {
+      hn::Vec<D> ev, od;
+      SplitPair(d, arrays[k] + c0 + c, ev, od);
+      hn::StoreU(ev, d, sp + k * width + c);
+      hn::StoreU(od, d, sp + k * width + c + N);
+    }
+  }
+  return sp;
+}
+
+// bfloat16 strips stream whole vectors of pairs when every row's pairs start 4·N-byte aligned
+// (half-vector streaming stores, written strip by strip, leave lines partly written).
+template <typename T, class D>
+HWY_INLINE bool PairsStream(D d, int64_t C, int64_t c0, const T* y) {
+  const int64_t pair = 2 * static_cast<int64_t>(hn::Lanes(d));
+  return std::is_same_v<T, BFloat16> && C % pair == 0 && c0 % pair == 0 &&
+         reinterpret_cast<uintptr_t>(y) % static_cast<uintptr_t>(pair * 2) == 0;
+}
+
+#else
+#define FBN_BF16_PAIRS 0
+template <typename T, class D>
+HWY_INLINE bool PairsStream(D, int64_t, int64_t, const T*) {
+  return false;
+}
+#endif
+
 // Merges a block's (count, mean, m2) into a running state with Chan's formula, in double.
 HWY_INLINE void ChanMerge(double& count, double& mean, double& m2, double nb, double mb,
                           double m2b) {
@@ -192,9 +311,90 @@ HWY_INLINE void CorrectedBlock(double n, double m, double sum_d, double sum_d2, 
 constexpr int kStripVectors = 4;
 
 // Pass 1 of a block for the strip at channel c: bm = K + Σ(x - K)/nb with K the block's first row.
+#if FBN_BF16_PAIRS
+// The bfloat16 reductions read pairs (LoadBF16Pair) with accumulators in even/odd lanes: every
+// channel's accumulator still adds the same values in the same order. K >= 2; an odd K's last
+// vector is read singly.
+template <int K, class D>
+HWY_INLINE void StripMeanBF16(D d, const BFloat16* x, int64_t C, int64_t c, int64_t b0, int64_t b1,
+                              hn::Vec<D> vinv, float* bm) {
+  constexpr int P = K / 2;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t cs = c + 2 * P * N;
+  hn::Vec<D> pe[P], po[P], ae[P], ao[P];
+  const BFloat16* pivot = x + b0 * C;
+  for (int p = 0; p < P; ++p) {
+    LoadBF16Pair(d, pivot + c + 2 * p * N, pe[p], po[p]);
+    ae[p] = ao[p] = hn::Zero(d);
+  }
+  const auto ps = LoadAcc(d, pivot + cs);
+  auto as = hn::Zero(d);
+  for (int64_t r = b0 + 1; r < b1; ++r) {
+    const BFloat16* xr = x + r * C;
+    for (int p = 0; p < P; ++p) {
+      hn::Vec<D> e, o;
+      LoadBF16Pair(d, xr + c + 2 * p * N, e, o);
+      ae[p] = hn::Add(ae[p], hn::Sub(e, pe[p]));
+      ao[p] = hn::Add(ao[p], hn::Sub(o, po[p]));
+    }
+    if (K % 2 == 1) as = hn::Add(as, hn::Sub(LoadAcc(d, xr + cs), ps));
+  }
+  for (int p = 0; p < P; ++p) {
+    StoreInterleaved(d, hn::MulAdd(ae[p], vinv, pe[p]), hn::MulAdd(ao[p], vinv, po[p]),
+                     bm + c + 2 * p * N);
+  }
+  if (K % 2 == 1) hn::StoreU(hn::MulAdd(as, vinv, ps), d, bm + cs);
+}
+
+template <int K, class D>
+HWY_INLINE void StripDeviationsBF16(D d, const BFloat16* x, int64_t C, int64_t c, int64_t b0,
+                                    int64_t b1, const float* bm, float* bd, float* bd2) {
+  constexpr int P = K / 2;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t cs = c + 2 * P * N;
+  hn::Vec<D> me[P], mo[P], s1e[P], s1o[P], s2e[P], s2o[P];
+  for (int p = 0; p < P; ++p) {
+    SplitPair(d, bm + c + 2 * p * N, me[p], mo[p]);
+    s1e[p] = s1o[p] = s2e[p] = s2o[p] = hn::Zero(d);
+  }
+  const auto ms = hn::LoadU(d, bm + cs);
+  auto s1s = hn::Zero(d), s2s = hn::Zero(d);
+  for (int64_t r = b0; r < b1; ++r) {
+    const BFloat16* xr = x + r * C;
+    for (int p = 0; p < P; ++p) {
+      hn::Vec<D> e, o;
+      LoadBF16Pair(d, xr + c + 2 * p * N, e, o);
+      const auto de = hn::Sub(e, me[p]), dO = hn::Sub(o, mo[p]);
+      s1e[p] = hn::Add(s1e[p], de);
+      s2e[p] = hn::MulAdd(de, de, s2e[p]);
+      s1o[p] = hn::Add(s1o[p], dO);
+      s2o[p] = hn::MulAdd(dO, dO, s2o[p]);
+    }
+    if (K % 2 == 1) {
+      const auto dv = hn::Sub(LoadAcc(d, xr + cs), ms);
+      s1s = hn::Add(s1s, dv);
+      s2s = hn::MulAdd(dv, dv, s2s);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    StoreInterleaved(d, s1e[p], s1o[p], bd + c + 2 * p * N);
+    StoreInterleaved(d, s2e[p], s2o[p], bd2 + c + 2 * p * N);
+  }
+  if (K % 2 == 1) {
+    hn::StoreU(s1s, d, bd + cs);
+    hn::StoreU(s2s, d, bd2 + cs);
+  }
+}
+#endif
+
 template <int K, typename T, class D>
 HWY_INLINE void StripMean(D d, const T* x, int64_t C, int64_t c, int64_t b0, int64_t b1,
                           hn::Vec<D> vinv, Acc<T>* bm) {
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
+    return StripMeanBF16<K>(d, x, C, c, b0, b1, vinv, bm);
+  }
+#endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T* pivot = x + b0 * C + c;
   hn::Vec<D> p[K], acc[K];
@@ -213,6 +413,11 @@ HWY_INLINE void StripMean(D d, const T* x, int64_t C, int64_t c, int64_t b0, int
 template <int K, typename T, class D>
 HWY_INLINE void StripDeviations(D d, const T* x, int64_t C, int64_t c, int64_t b0, int64_t b1,
                                 const Acc<T>* bm, Acc<T>* bd, Acc<T>* bd2) {
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
+    return StripDeviationsBF16<K>(d, x, C, c, b0, b1, bm, bd, bd2);
+  }
+#endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> m[K], s1[K], s2[K];
   for (int j = 0; j < K; ++j) {
@@ -414,104 +619,7 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
 // ------------------------------------------------------------------------------------------------
 // Apply: y = (x - m)·a + b.
 
-#undef FBN_BF16_PAIRS
-#if HWY_TARGET != HWY_SCALAR
-#define FBN_BF16_PAIRS 1
-// bfloat16 pairs: 2·N adjacent values loaded as N 32-bit lanes split into the even-indexed
-// values (low halves, shifted up) and the odd ones (high halves, masked): one operation each
-// instead of a widening load and a shift per N values. Rounded back into the same halves and
-// or-ed, they store as one full vector with no narrowing or lane permutation; the per-channel
-// coefficients are split into even and odd lanes once per strip.
-template <class D>
-HWY_INLINE void LoadBF16Pair(D d, const BFloat16* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
-  const hn::RebindToUnsigned<D> du;
-  const auto raw = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
-  even = hn::BitCast(d, hn::ShiftLeft<16>(raw));
-  odd = hn::BitCast(d, hn::And(raw, hn::Set(du, 0xFFFF0000u)));
-}
-
-// The 2·N bfloat16 values of (even, odd), rounded as BFloat16Bits, in storage order. NaN needs
-// its own rounding (the carry of a NaN's low bits could reach the exponent); one test per pair
-// finds it (inf - inf also takes that path, which rounds infinities exactly as well).
-template <class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> BF16PairBits(D d, hn::Vec<D> even, hn::Vec<D> odd) {
-  const hn::RebindToUnsigned<D> du;
-  const auto bias = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u), high = hn::Set(du, 0xFFFF0000u);
-  const auto be = hn::BitCast(du, even), bo = hn::BitCast(du, odd);
-  auto re = hn::ShiftRight<16>(hn::Add(be, hn::Add(bias, hn::And(hn::ShiftRight<16>(be), one))));
-  auto ro = hn::And(hn::Add(bo, hn::Add(bias, hn::And(hn::ShiftRight<16>(bo), one))), high);
-  if (HWY_UNLIKELY(!hn::AllFalse(d, hn::IsNaN(hn::Add(even, odd))))) {
-    re = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(even)),
-                        hn::Or(hn::ShiftRight<16>(be), hn::Set(du, 0x40u)), re);
-    ro = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(odd)),
-                        hn::Or(hn::And(bo, high), hn::Set(du, 0x400000u)), ro);
-  }
-  return hn::Or(re, ro);
-}
-
-template <class DU>
-HWY_INLINE void StorePairBits(DU du, hn::Vec<DU> bits, BFloat16* p, bool nt) {
-  uint32_t* out = reinterpret_cast<uint32_t*>(p);
-  if (nt) {
-    hn::Stream(bits, du, out);
-  } else {
-    hn::StoreU(bits, du, out);
-  }
-}
-
-// Channels-first runs share one channel's coefficients: whole pairs of [i, end), from i on.
-// Streaming needs 4·N-byte alignment: one single vector first when p + i is only 2·N-aligned.
-template <class D, class F, class G>
-HWY_INLINE int64_t FlatPairs(D d, BFloat16* out, int64_t i, int64_t end, bool nt, F&& pair,
-                             G&& single) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const hn::RebindToUnsigned<D> du;
-  if (nt && reinterpret_cast<uintptr_t>(out + i) % static_cast<uintptr_t>(4 * N) != 0 &&
-      i + N <= end) {
-    single(i);
-    i += N;
-  }
-  for (; i + 2 * N <= end; i += 2 * N) StorePairBits(du, pair(i), out + i, nt);
-  return i;
-}
-
-template <class D>
-HWY_INLINE void SplitPair(D d, const float* p, hn::Vec<D>& even, hn::Vec<D>& odd) {
-  const auto lo = hn::LoadU(d, p), hi = hn::LoadU(d, p + hn::Lanes(d));
-  even = hn::ConcatEven(d, hi, lo);
-  odd = hn::ConcatOdd(d, hi, lo);
-}
-
-// Row-by-row bfloat16 streaming reloads the coefficients from L1 for every row: they are split
-// into even and odd lanes once per call, into a grow-only per-thread buffer (`n` arrays of
-// channels [c0, c0 + width), each as [even N, odd N] per pair).
-template <class D>
-HWY_INLINE const float* SplitCoefficients(D d, const float* const* arrays, int n, int64_t c0,
-                                          int64_t width) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  thread_local std::vector<float> split;
-  if (split.size() < static_cast<size_t>(n * width)) split.resize(static_cast<size_t>(n * width));
-  float* sp = split.data();
-  for (int k = 0; k < n; ++k) {
-    for (int64_t c = 0; c < width; c += 2 * N) {
-      hn::Vec<D> ev, od;
-      SplitPair(d, arrays[k] + c0 + c, ev, od);
-      hn::StoreU(ev, d, sp + k * width + c);
-      hn::StoreU(od, d, sp + k * width + c + N);
-    }
-  }
-  return sp;
-}
-
-// bfloat16 strips stream whole vectors of pairs when every row's pairs start 4·N-byte aligned
-// (half-vector streaming stores, written strip by strip, leave lines partly written).
-template <typename T, class D>
-HWY_INLINE bool PairsStream(D d, int64_t C, int64_t c0, const T* y) {
-  const int64_t pair = 2 * static_cast<int64_t>(hn::Lanes(d));
-  return std::is_same_v<T, BFloat16> && C % pair == 0 && c0 % pair == 0 &&
-         reinterpret_cast<uintptr_t>(y) % static_cast<uintptr_t>(pair * 2) == 0;
-}
-
+#if FBN_BF16_PAIRS
 // StripApply for bfloat16 with K >= 2: K / 2 pairs, then one single vector when K is odd.
 template <int K, class D>
 HWY_INLINE void StripApplyBF16(D d, const BFloat16* x, int64_t C, int64_t c, int64_t r0, int64_t r1,
@@ -542,12 +650,6 @@ HWY_INLINE void StripApplyBF16(D d, const BFloat16* x, int64_t C, int64_t c, int
       StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + os), vm), va, vb), y + os, nt);
     }
   }
-}
-#else
-#define FBN_BF16_PAIRS 0
-template <typename T, class D>
-HWY_INLINE bool PairsStream(D, int64_t, int64_t, const T*) {
-  return false;
 }
 #endif
 
@@ -694,10 +796,65 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 // dx = k1·dy in the same sweep.
 
 // Σdy and Σdy·(x - m) of a block for the strip at channel c, into s and t; with k1, dx = k1·dy.
+#if FBN_BF16_PAIRS
+template <int K, class D>
+HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int64_t C, int64_t c,
+                                int64_t b0, int64_t b1, const float* mean, const float* k1,
+                                BFloat16* dx, float* s, float* t) {
+  constexpr int P = K / 2;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t cs = c + 2 * P * N;
+  const hn::RebindToUnsigned<D> du;
+  hn::Vec<D> me[P], mo[P], ke[P], ko[P], ge[P], go[P], xe[P], xo[P];
+  for (int p = 0; p < P; ++p) {
+    SplitPair(d, mean + c + 2 * p * N, me[p], mo[p]);
+    if (k1) SplitPair(d, k1 + c + 2 * p * N, ke[p], ko[p]);
+    ge[p] = go[p] = xe[p] = xo[p] = hn::Zero(d);
+  }
+  const auto ms = hn::LoadU(d, mean + cs);
+  auto gs = hn::Zero(d), xs = hn::Zero(d);
+  for (int64_t r = b0; r < b1; ++r) {
+    const int64_t o = r * C;
+    for (int p = 0; p < P; ++p) {
+      hn::Vec<D> de, dO, ve, vo;
+      LoadBF16Pair(d, dy + o + c + 2 * p * N, de, dO);
+      LoadBF16Pair(d, x + o + c + 2 * p * N, ve, vo);
+      ge[p] = hn::Add(ge[p], de);
+      xe[p] = hn::MulAdd(de, hn::Sub(ve, me[p]), xe[p]);
+      go[p] = hn::Add(go[p], dO);
+      xo[p] = hn::MulAdd(dO, hn::Sub(vo, mo[p]), xo[p]);
+      if (k1) {
+        StorePairBits(du, BF16PairBits(d, hn::Mul(de, ke[p]), hn::Mul(dO, ko[p])),
+                      dx + o + c + 2 * p * N, false);
+      }
+    }
+    if (K % 2 == 1) {
+      const auto g = LoadAcc(d, dy + o + cs);
+      gs = hn::Add(gs, g);
+      xs = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + o + cs), ms), xs);
+      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + cs)), dx + o + cs);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    StoreInterleaved(d, ge[p], go[p], s + c + 2 * p * N);
+    StoreInterleaved(d, xe[p], xo[p], t + c + 2 * p * N);
+  }
+  if (K % 2 == 1) {
+    hn::StoreU(gs, d, s + cs);
+    hn::StoreU(xs, d, t + cs);
+  }
+}
+#endif
+
 template <int K, typename T, class D>
 HWY_INLINE void StripReduce(D d, const T* dy, const T* x, int64_t C, int64_t c, int64_t b0,
                             int64_t b1, const Acc<T>* mean, const Acc<T>* k1, T* dx, Acc<T>* s,
                             Acc<T>* t) {
+#if FBN_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
+    return StripReduceBF16<K>(d, dy, x, C, c, b0, b1, mean, k1, dx, s, t);
+  }
+#endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> m[K], sg[K], sx[K];
   for (int j = 0; j < K; ++j) {
