@@ -127,8 +127,13 @@ RowPartition PartitionRows(int64_t rows, int64_t channels, double channel_bytes)
   // Channel groups only make up for rows too few to split, never for the task cap: strided
   // narrow groups of long tensors read each row in pieces (measured 2-7x slower).
   const double capped = std::min(wanted_total, static_cast<double>(kMaxReduceTasks));
-  const int64_t more = ClampTasks(capped / static_cast<double>(p.row_tasks),
-                                  std::max<int64_t>(1, channels / kGroupChannels));
+  int64_t more = ClampTasks(capped / static_cast<double>(p.row_tasks),
+                            std::max<int64_t>(1, channels / kGroupChannels));
+  // Rows too few to split give a second thread a channel group even below the task size (batch-1
+  // 7x7x2048 bfloat16 ran on one thread); like every split here it depends on the shape only.
+  if (p.row_tasks == 1) {
+    more = std::max<int64_t>(more, std::min<int64_t>(2, channels / kGroupChannels));
+  }
   if (more > 1) {
     p.width = CeilDiv(CeilDiv(channels, more), kGroupChannels) * kGroupChannels;
     p.groups = CeilDiv(channels, p.width);

@@ -132,12 +132,18 @@ HWY_INLINE bool StreamAligned(D d, const T* p) {
 template <typename T, class D>
 HWY_INLINE int64_t StreamHead(D d, const T* p) {
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
-  const uintptr_t bytes = static_cast<uintptr_t>(lanes) * sizeof(T);
+  // bfloat16 streams whole pairs (FlatPairs): aligned to a pair, no line is left partly streamed.
+  constexpr uintptr_t kVectors = HWY_TARGET != HWY_SCALAR && std::is_same_v<T, BFloat16> ? 2 : 1;
+  const uintptr_t bytes = static_cast<uintptr_t>(lanes) * sizeof(T) * kVectors;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % bytes;
   if (mis == 0) return 0;
   if (mis % sizeof(T) != 0) return -1;  // never aligned: do not stream
   return static_cast<int64_t>((bytes - mis) / sizeof(T));
 }
+
+// Channels-first runs stream single vectors, except bfloat16, which streams only whole pairs.
+template <typename T>
+constexpr bool kStreamsSingles = !(HWY_TARGET != HWY_SCALAR && std::is_same_v<T, BFloat16>);
 
 #undef FBN_BF16_PAIRS
 #if HWY_TARGET != HWY_SCALAR
@@ -184,18 +190,14 @@ HWY_INLINE void StorePairBits(DU du, hn::Vec<DU> bits, BFloat16* p, bool nt) {
   }
 }
 
-// Channels-first runs share one channel's coefficients: whole pairs of [i, end), from i on.
-// Streaming needs 4·N-byte alignment: one single vector first when p + i is only 2·N-aligned.
-template <class D, class F, class G>
-HWY_INLINE int64_t FlatPairs(D d, BFloat16* out, int64_t i, int64_t end, bool nt, F&& pair,
-                             G&& single) {
+// Channels-first runs share one channel's coefficients: whole pairs of [i, end), from i on (with
+// `nt`, i is pair-aligned: StreamHead). Returns the first element left; the caller writes the
+// rest with regular stores, so no cache line is written partly by streaming stores (a partly
+// streamed line costs a read-modify-write in memory: 96x17x17x96 NCHW inference 3.6x slower).
+template <class D, class F>
+HWY_INLINE int64_t FlatPairs(D d, BFloat16* out, int64_t i, int64_t end, bool nt, F&& pair) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const hn::RebindToUnsigned<D> du;
-  if (nt && reinterpret_cast<uintptr_t>(out + i) % static_cast<uintptr_t>(4 * N) != 0 &&
-      i + N <= end) {
-    single(i);
-    i += N;
-  }
   for (; i + 2 * N <= end; i += 2 * N) StorePairBits(du, pair(i), out + i, nt);
   return i;
 }
@@ -770,21 +772,17 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
     }
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
-      i = FlatPairs(
-          d, y, i, end, nt,
-          [&](int64_t j) {
-            hn::Vec<decltype(d)> ev, od;
-            LoadBF16Pair(d, x + j, ev, od);
-            return BF16PairBits(d, hn::MulAdd(hn::Sub(ev, vm), va, vb),
-                                hn::MulAdd(hn::Sub(od, vm), va, vb));
-          },
-          [&](int64_t j) {
-            StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + j), vm), va, vb), y + j, nt);
-          });
+      i = FlatPairs(d, y, i, end, nt, [&](int64_t j) {
+        hn::Vec<decltype(d)> ev, od;
+        LoadBF16Pair(d, x + j, ev, od);
+        return BF16PairBits(d, hn::MulAdd(hn::Sub(ev, vm), va, vb),
+                            hn::MulAdd(hn::Sub(od, vm), va, vb));
+      });
     }
 #endif
+    const bool nt_rest = nt && kStreamsSingles<T>;
     for (; i + N <= end; i += N) {
-      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i, nt);
+      StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i, nt_rest);
     }
     for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
     f = end;
@@ -1162,24 +1160,19 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
     }
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
-      i = FlatPairs(
-          d, dx, i, end, nt,
-          [&](int64_t j) {
-            hn::Vec<decltype(d)> xe, xo, ge, go;
-            LoadBF16Pair(d, x + j, xe, xo);
-            LoadBF16Pair(d, dy + j, ge, go);
-            return BF16PairBits(d, hn::MulAdd(v2, hn::Sub(xe, vm), hn::MulAdd(v1, ge, v0)),
-                                hn::MulAdd(v2, hn::Sub(xo, vm), hn::MulAdd(v1, go, v0)));
-          },
-          [&](int64_t j) {
-            const auto xc = hn::Sub(LoadAcc(d, x + j), vm);
-            StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + j), v0)), dx + j, nt);
-          });
+      i = FlatPairs(d, dx, i, end, nt, [&](int64_t j) {
+        hn::Vec<decltype(d)> xe, xo, ge, go;
+        LoadBF16Pair(d, x + j, xe, xo);
+        LoadBF16Pair(d, dy + j, ge, go);
+        return BF16PairBits(d, hn::MulAdd(v2, hn::Sub(xe, vm), hn::MulAdd(v1, ge, v0)),
+                            hn::MulAdd(v2, hn::Sub(xo, vm), hn::MulAdd(v1, go, v0)));
+      });
     }
 #endif
+    const bool nt_rest = nt && kStreamsSingles<T>;
     for (; i + N <= end; i += N) {
       const auto xc = hn::Sub(LoadAcc(d, x + i), vm);
-      StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i, nt);
+      StoreAcc(d, hn::MulAdd(v2, xc, hn::MulAdd(v1, LoadAcc(d, dy + i), v0)), dx + i, nt_rest);
     }
     for (; i < end; ++i) scalar(i);
     f = end;
