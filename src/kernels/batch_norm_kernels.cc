@@ -243,8 +243,8 @@ HWY_INLINE const float* SplitCoefficients(D d, const float* const* arrays, int n
   return sp;
 }
 
-// bfloat16 strips stream whole vectors of pairs when every row's pairs start 4·N-byte aligned
-// (half-vector streaming stores, written strip by strip, leave lines partly written).
+// Row-order bfloat16 streaming writes whole vectors of pairs when every row's pairs start 4·N-byte
+// aligned (half-vector streaming stores leave lines partly written).
 template <typename T, class D>
 HWY_INLINE bool PairsStream(D d, int64_t C, int64_t c0, const T* y) {
   const int64_t pair = 2 * static_cast<int64_t>(hn::Lanes(d));
