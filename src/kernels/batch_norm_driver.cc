@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/cache_probe.h"
 #include "kernels/channel_math.h"
 #include "kernels/convert.h"
 #include "kernels/kernel_table.h"
@@ -49,7 +50,6 @@ double L2Bytes() {
 // inference 121 -> 90 us with its operands in cache and 281 -> 156 us flushed from it; at
 // 800 KB streaming doubled the in-cache time (12 -> 23 us).
 bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads) {
-  if (!g.channels_last && g.s * static_cast<int64_t>(elem_bytes) < kStreamPlaneBytes) return false;
   const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
                          static_cast<double>(elem_bytes);
   return touched > static_cast<double>(threads) * L2Bytes();
@@ -97,6 +97,56 @@ size_t ElemBytes(DataType dtype) { return DataTypeSize(dtype); }
 
 const void* Offset(const void* p, int64_t elements, size_t elem_bytes) {
   return static_cast<const char*>(p) + static_cast<size_t>(elements) * elem_bytes;
+}
+
+// The least output for which StreamStores probes the cache; smaller outputs that fit the caches
+// get regular stores whatever the caches hold. Where the streaming kernel is the strip kernel
+// (training passes, float inference), below this the probe costs about what streaming saves.
+constexpr double kProbeBytes = 64.0 * 1024;
+// 16-bit single-sweep passes (inference, the backward apply) stream in row order with the
+// coefficients in memory: with the input flushed, slower than regular stores at 200 KB
+// (128x28x28 bfloat16 inference 27 -> 49 us), faster at 800 KB (512x28x28: 113 -> 71 us).
+constexpr double kProbeRowOrder16Bytes = 512.0 * 1024;
+// The frozen backward streams in row order with its sums in memory: with its operands flushed,
+// slower at 100 KB (512x7x7 float 18 -> 25 us), faster at 200 KB (2048x7x7: 69 -> 54 us).
+constexpr double kProbeFrozenBytes = 128.0 * 1024;
+
+double ProbeBytesOneSweep(size_t elem_bytes, bool frozen) {
+  if (elem_bytes < 4) return kProbeRowOrder16Bytes;
+  return frozen ? kProbeFrozenBytes : kProbeBytes;
+}
+
+// Whether a call writes its output with streaming stores, decided before it reads anything.
+// Outputs too large for the threads' L2 stream (StreamOutput). Smaller ones stream when the
+// call's input `in` (x, or dy for gradients) is not in the calling core's cache: the call then
+// reads from DRAM, and regular stores would fetch every output line from DRAM first (ResNet-50
+// batch-1 float, operands flushed: 256x14x14 training forward 32 -> 22 us, 256x28x28 inference
+// 77 -> 47 us). With the input in cache, the usual case when the previous layer has just
+// written it, the output stays in cache for the next layer (streaming it doubles the time).
+// The probed lines lie spread over what the calling thread's own tasks (the first block) read.
+bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads,
+                  double probe_bytes, const void* in) {
+  const int64_t es = static_cast<int64_t>(elem_bytes);
+  if (!g.channels_last && g.s * es < kStreamPlaneBytes) return false;
+  if (StreamOutput(g, elem_bytes, tensors, threads)) return true;
+  const double bytes = static_cast<double>(g.elements() * es);
+  if (bytes < probe_bytes) return false;
+  const void* lines[kProbeLines];
+  constexpr int64_t kHalves = 2 * kProbeLines;
+  const int64_t first_images = g.n / threads;
+  for (int k = 0; k < kProbeLines; ++k) {
+    if (g.channels_last) {
+      // Column 0 of rows in the first row range (also in the first channel group).
+      const int64_t rows = std::max<int64_t>(1, g.n * g.s / threads);
+      lines[k] = Offset(in, (2 * k + 1) * rows / kHalves * g.c, es);
+    } else if (first_images >= kProbeLines) {
+      // Channel 0 of images in the first image range (also in the first channel range).
+      lines[k] = Offset(in, ((2 * k + 1) * first_images / kHalves * g.c * g.s) + g.s / 2, es);
+    } else {
+      lines[k] = Offset(in, (2 * k + 1) * g.s / kHalves, es);  // the first plane (>= 512 B)
+    }
+  }
+  return !LinesInCoreCache(lines);
 }
 
 // Channels-last reduction tasks: contiguous ranges of rows, and when there are too few rows to
@@ -294,12 +344,17 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
   }
 }
 
-void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
-           const void* b, void* y) {
+namespace {
+
+int ApplyThreads(const Geometry& g, size_t elem_bytes) {
+  return threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(elem_bytes));
+}
+
+void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
+               const void* b, void* y, bool stream) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
-  const bool stream = StreamOutput(g, es, 2, threads);
+  const int threads = ApplyThreads(g, es);
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const int64_t per = std::max<int64_t>(
@@ -316,6 +371,15 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
   }
 }
 
+}  // namespace
+
+void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
+           const void* b, void* y) {
+  const size_t es = ElemBytes(dtype);
+  ApplyWith(dtype, g, x, mean, a, b, y,
+            StreamStores(g, es, 2, ApplyThreads(g, es), ProbeBytesOneSweep(es, false), x));
+}
+
 namespace {
 
 // Shared by BackwardReduce and FrozenBackward: k1 == nullptr means reduce only.
@@ -326,7 +390,8 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   const int threads =
       threading::ThreadsForWork((k1 ? 3 : 2) * g.elements() * static_cast<int64_t>(es));
   // The frozen backward writes dx in the same sweep: stream it when it is large.
-  const bool stream = k1 != nullptr && StreamOutput(g, es, 3, threads);
+  const bool stream =
+      k1 != nullptr && StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), dy);
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
@@ -385,12 +450,18 @@ void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const voi
   ReduceImpl(dtype, g, dy, x, mean, k1, dx, sum_dy, sum_dy_xc);
 }
 
-void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
-                   const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
+namespace {
+
+int BackwardThreads(const Geometry& g, size_t elem_bytes) {
+  return threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(elem_bytes));
+}
+
+void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                       const void* mean, const void* k1, const void* k2, const void* k0, void* dx,
+                       bool stream) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
-  const bool stream = StreamOutput(g, es, 3, threads);
+  const int threads = BackwardThreads(g, es);
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const int64_t per = std::max<int64_t>(
@@ -407,6 +478,16 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
                             k0, dx, stream);
     });
   }
+}
+
+}  // namespace
+
+void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
+                   const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
+  const size_t es = ElemBytes(dtype);
+  BackwardApplyWith(
+      dtype, g, dy, x, mean, k1, k2, k0, dx,
+      StreamStores(g, es, 3, BackwardThreads(g, es), ProbeBytesOneSweep(es, false), dy));
 }
 
 namespace {
@@ -452,8 +533,8 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   const KernelEntry& e = Entry(dtype);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
-  const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
-  const bool stream = StreamOutput(g, es, 2, threads);
+  const int threads = ApplyThreads(g, es);
+  const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, x);
   const int64_t C = g.c, rows = g.n * g.s;
   const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
   // One row range: the groups share one slot of partials (their channels are disjoint).
@@ -480,15 +561,16 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
     ForwardTrainingGroups(dtype, g, x, scale, offset, eps, mean, variance, k_mean, k_a, k_b, y);
     return;
   }
+  const int threads = ApplyThreads(g, es);
+  const bool stream =
+      StreamStores(g, es, 2, threads, kProbeBytes, x);  // before the statistics read x
   if (!FusePerChannel(g, static_cast<double>(es))) {
     ComputeStats(dtype, g, x, mean, variance);
     ForwardCoefficients(wide, 0, g.c, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-    Apply(dtype, g, x, k_mean, k_a, k_b, y);
+    ApplyWith(dtype, g, x, k_mean, k_a, k_b, y, stream);
     return;
   }
   const KernelEntry& e = Entry(dtype);
-  const int threads = threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(es));
-  const bool stream = StreamOutput(g, es, 2, threads);
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
   // Each task is whole channels (p.pieces == 1): statistics of all of them, their coefficients in
@@ -520,8 +602,8 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   if (FuseChannelGroups(g, 2.0 * static_cast<double>(es))) {
     // As ForwardTrainingGroups: each channel group's sums are final within its task.
     const KernelEntry& e = Entry(dtype);
-    const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
-    const bool stream = StreamOutput(g, es, 3, threads);
+    const int threads = BackwardThreads(g, es);
+    const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, dy);
     const int64_t C = g.c, rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     double* tmp = Scratch(2 * static_cast<size_t>(C));
@@ -534,15 +616,15 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     });
     return;
   }
+  const int threads = BackwardThreads(g, es);
+  const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, dy);  // before the sums read dy
   if (!FusePerChannel(g, 2.0 * static_cast<double>(es))) {
     ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
     BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-    BackwardApply(dtype, g, dy, x, k_mean, k1, k2, k0, dx);
+    BackwardApplyWith(dtype, g, dy, x, k_mean, k1, k2, k0, dx, stream);
     return;
   }
   const KernelEntry& e = Entry(dtype);
-  const int threads = threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(es));
-  const bool stream = StreamOutput(g, es, 3, threads);
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
