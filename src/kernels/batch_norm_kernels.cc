@@ -1199,6 +1199,8 @@ void FillEntry(KernelEntry* e) {
   };
   e->backward_apply_rows = &BackwardApplyRows<T>;
   e->backward_apply_flat = &BackwardApplyFlat<T>;
+  const size_t unit = hn::Lanes(AccTag<T>()) * sizeof(T) * (kStreamsSingles<T> ? 1 : 2);
+  e->stream_unit_bytes = HWY_TARGET == HWY_SCALAR ? 0 : static_cast<int64_t>(unit);
 }
 
 const KernelTable* GetKernelTable() {

@@ -161,8 +161,8 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Outputs of tensors that fit the caches stream when their inputs are not cached (a timed probe):
-// the store kind must never change a value. Batch-1 shapes above the probing sizes (64 KB, and
-// 512 KB for 16-bit single-sweep passes), both layouts, the channel-group path.
+// the store kind must never change a value. Shapes above the probing sizes (32 KB, and 512 KB for
+// 16-bit single-sweep passes), both layouts, the channel-group path, short planes.
 TEST(CacheResidency, SameOutputsWithInputsEvicted) {
   HostTensor probe(DataType::kFloat32, Shape{16});
   if (!EvictFromCaches(probe.data(), probe.bytes())) GTEST_SKIP() << "no cache flush here";
@@ -172,6 +172,9 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       {"nhwc_groups", TensorFormat::kNHWC, {1, 7, 7, 2048}},
       {"nchw", TensorFormat::kNCHW, {1, 256, 28, 28}},
       {"nchw_images", TensorFormat::kNCHW, {16, 64, 16, 16}},
+      // Planes shorter than 512 bytes: the fused training paths stream their whole lines.
+      {"nchw_short_planes", TensorFormat::kNCHW, {16, 64, 8, 8}},
+      {"nchw_7x7_planes", TensorFormat::kNCHW, {16, 64, 7, 7}},
   };
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
     for (const Workload& w : workloads) {
