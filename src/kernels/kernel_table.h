@@ -17,6 +17,10 @@ struct KernelEntry {
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);
+  // The same for whole channels [c0, c1) of an images x C x S tensor (mean and m2 indexed by
+  // channel): several channels at a time where they are short.
+  void (*stats_runs)(const void* x, int64_t C, int64_t S, int64_t images, int64_t c0, int64_t c1,
+                     double* mean, double* m2);
   // Element-wise writers take `stream`: bypass the cache for outputs larger than it.
   void (*apply_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
                      const void* mean, const void* a, const void* b, void* y, bool stream);
@@ -30,6 +34,10 @@ struct KernelEntry {
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
                      double* sum_dy_xc, const void* k1, void* dx, bool stream);
+  // Σdy and Σdy·(x - m) of whole channels [c0, c1) of an images x C x S tensor, as reduce_run
+  // (without dx) per channel gives them.
+  void (*reduce_runs)(const void* dy, const void* x, int64_t C, int64_t S, int64_t images,
+                      int64_t c0, int64_t c1, const void* mean, double* sum_dy, double* sum_dy_xc);
   void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1,
                               int64_t r0, int64_t r1, const void* mean, const void* k1,
                               const void* k2, const void* k0, void* dx, bool stream);

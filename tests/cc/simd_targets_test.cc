@@ -253,6 +253,49 @@ TEST_P(SimdTargetTest, SixteenBitLoadsAreExact) {
   }
 }
 
+// The channels-first kernels that reduce several channels at once (stats_runs, reduce_runs)
+// interleave channels only to overlap their dependency chains: each channel's values must be
+// bit-identical to those of the one-channel kernels (stats_run, reduce_run), which the unfused
+// paths use, for channels in groups and in the remainder, single blocks and several.
+TEST_P(SimdTargetTest, MultiChannelRunsMatchSingleChannelRuns) {
+  const fbn::kernels::KernelEntry* entries = fbn::kernels::ActiveKernels().entries;
+  std::mt19937 rng(7);
+  struct Case {
+    int64_t images, c, s;
+  };
+  // C = 7: one group of four and three channels left; 2 x 3000 elements: more than one block.
+  const Case cases[] = {{1, 7, 1}, {1, 7, 49}, {3, 7, 5}, {2, 9, 64}, {4, 6, 100}, {2, 5, 3000}};
+  for (DataType t : kAllDtypes) {
+    const DataType acc = t == DataType::kFloat64 ? DataType::kFloat64 : DataType::kFloat32;
+    const fbn::kernels::KernelEntry& e = entries[static_cast<int>(t)];
+    const size_t es = fbn::DataTypeSize(t);
+    for (const Case& k : cases) {
+      SCOPED_TRACE(DTypeTag(t) + " images " + std::to_string(k.images) + " C " +
+                   std::to_string(k.c) + " S " + std::to_string(k.s));
+      const Shape xs{k.images, k.c, k.s};
+      const HostTensor x = RandomTensor(t, xs, 3.0, 5.0, &rng);
+      const HostTensor dy = RandomTensor(t, xs, -1.0, 1.0, &rng);
+      const HostTensor mean = RandomTensor(acc, Shape{k.c}, 3.5, 4.5, &rng);
+      const int64_t M = k.images * k.s;
+      std::vector<double> m_all(k.c), q_all(k.c), s_all(k.c), t_all(k.c);
+      e.stats_runs(x.data(), k.c, k.s, k.images, 0, k.c, m_all.data(), q_all.data());
+      e.reduce_runs(dy.data(), x.data(), k.c, k.s, k.images, 0, k.c, mean.data(), s_all.data(),
+                    t_all.data());
+      for (int64_t c = 0; c < k.c; ++c) {
+        double m1 = 0, q1 = 0, s1 = 0, t1 = 0;
+        const char* base = static_cast<const char*>(x.data()) + static_cast<size_t>(c * k.s) * es;
+        e.stats_run(base, k.c * k.s, k.s, 0, M, &m1, &q1);
+        e.reduce_run(dy.data(), x.data(), c * k.s, k.c * k.s, k.s, 0, M, mean.data(), c, &s1, &t1,
+                     nullptr, nullptr, false);
+        EXPECT_EQ(std::memcmp(&m_all[c], &m1, 8), 0) << "mean of channel " << c;
+        EXPECT_EQ(std::memcmp(&q_all[c], &q1, 8), 0) << "M2 of channel " << c;
+        EXPECT_EQ(std::memcmp(&s_all[c], &s1, 8), 0) << "sum dy of channel " << c;
+        EXPECT_EQ(std::memcmp(&t_all[c], &t1, 8), 0) << "sum dy(x - m) of channel " << c;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, SimdTargetTest, ::testing::ValuesIn(ReachableTargets()),
                          [](const ::testing::TestParamInfo<int64_t>& p) {
                            return std::string(hwy::TargetName(p.param));
