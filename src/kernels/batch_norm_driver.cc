@@ -25,6 +25,9 @@ constexpr double kReduceTaskBytes = 256.0 * 1024;
 // still in the core's L2 (or L3): the fused paths read it from DRAM once.
 constexpr double kChannelTaskBytes = 2.0 * 1024 * 1024;
 constexpr int64_t kMaxReduceTasks = 64;
+// Batch-1 channels-first fused paths reduce and rewrite a task's channels in chunks of about this
+// many bytes of their inputs (FusedChunk).
+constexpr double kFusedChunkBytes = 16.0 * 1024;
 // An element-wise task writes about this much.
 constexpr double kApplyTaskBytes = 64.0 * 1024;
 
@@ -529,6 +532,18 @@ void ForEachTaskRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
   for (int64_t n = 0; n < g.n; ++n) f((n * g.c + c0) * g.s, (n * g.c + c1) * g.s);
 }
 
+// The fused channels-first paths reduce a chunk of a task's channels, compute their coefficients
+// in one call, then rewrite them. With one image a channel is one contiguous plane, and chunks
+// whose inputs fit L1 let the rewrite read them from there: whole tasks (up to 256 KB, from L2)
+// measured 0.75-0.82x on 1x64..256x56x56 float training gradients. With several images the
+// writers' ranges (one per image) get short and scattered with small chunks: 32x512x7x7 and
+// 96x192x8x8 gradients measured 1.4-1.6x faster with whole tasks.
+int64_t FusedChunk(const Geometry& g, int64_t group, double bytes_per_element) {
+  if (g.n > 1) return group;
+  const double channel_bytes = static_cast<double>(g.per_channel()) * bytes_per_element;
+  return std::max<int64_t>(1, static_cast<int64_t>(kFusedChunkBytes / channel_bytes));
+}
+
 // Channels-first channels that fit one reduction task can be reduced and then rewritten while
 // their data is still in cache. (Channels-last strips of channels over all rows were tried for
 // small batches: with each thread keeping its rows across calls they gained nothing.)
@@ -595,19 +610,24 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   }
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
-  // Each task is whole channels (p.pieces == 1): statistics of all of them, their coefficients in
-  // one vector call, then the rewrite while the task's data is still in cache.
+  // Each task is whole channels (p.pieces == 1), taken in chunks (FusedChunk): statistics of a
+  // chunk's channels, their coefficients in one vector call, then the rewrite while the chunk's
+  // data is still in cache.
+  const int64_t chunk = FusedChunk(g, p.group, static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
-    const int64_t c0 = t * p.group, c1 = std::min(C, c0 + p.group);
-    e.stats_runs(x, C, g.s, g.n, c0, c1, mean, variance);  // M2 into variance, then divided
-    for (int64_t c = c0; c < c1; ++c) {
-      variance[c] /= static_cast<double>(M);
-      FixNonFiniteMean(dtype, g, x, c, &mean[c]);
+    const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
+    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+      const int64_t c1 = std::min(t1, c0 + chunk);
+      e.stats_runs(x, C, g.s, g.n, c0, c1, mean, variance);  // M2 into variance, then divided
+      for (int64_t c = c0; c < c1; ++c) {
+        variance[c] /= static_cast<double>(M);
+        FixNonFiniteMean(dtype, g, x, c, &mean[c]);
+      }
+      ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
+      ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
+        e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
+      });
     }
-    ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-    ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
-      e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
-    });
   });
 }
 
@@ -647,15 +667,17 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   }
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
-  // As ForwardTraining: the sums of the task's channels, their coefficients in one call, then the
-  // rewrite while the task's data is still in cache.
+  const int64_t chunk = FusedChunk(g, p.group, 2.0 * static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
-    const int64_t c0 = t * p.group, c1 = std::min(C, c0 + p.group);
-    e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc);
-    BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-    ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
-      e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
-    });
+    const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
+    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+      const int64_t c1 = std::min(t1, c0 + chunk);
+      e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc);
+      BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
+      ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
+        e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
+      });
+    }
   });
 }
 
