@@ -526,9 +526,9 @@ void ForwardCoefficients(bool wide, int64_t c0, int64_t c1, const double* mean,
 
 // Calls f(f0, f1) for the flat ranges of channels [c0, c1) of a channels-first tensor: one range
 // per image, since an image's planes of consecutive channels are adjacent (batch-1 7x7x2048: one
-// writer call for a task's channels instead of one per 49-element plane).
+// writer call for a chunk of channels instead of one per 49-element plane).
 template <typename F>
-void ForEachTaskRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
+void ForEachImageRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
   for (int64_t n = 0; n < g.n; ++n) f((n * g.c + c0) * g.s, (n * g.c + c1) * g.s);
 }
 
@@ -624,7 +624,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
         FixNonFiniteMean(dtype, g, x, c, &mean[c]);
       }
       ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-      ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
+      ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
         e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
       });
     }
@@ -674,7 +674,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
       const int64_t c1 = std::min(t1, c0 + chunk);
       e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-      ForEachTaskRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
+      ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
         e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
       });
     }

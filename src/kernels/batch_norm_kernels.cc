@@ -1103,7 +1103,8 @@ void ReduceRuns(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t i
   constexpr int K = 4;
   int64_t c = c0;
   for (; c + K <= c1; c += K) {
-    const int64_t first[K] = {c * S, (c + 1) * S, (c + 2) * S, (c + 3) * S};
+    int64_t first[K];
+    for (int j = 0; j < K; ++j) first[j] = (c + j) * S;
     ReduceChannels<K>(dy, x, first, C * S, S, M, mean + c, sum_dy + c, sum_dy_xc + c);
   }
   for (; c < c1; ++c) {
