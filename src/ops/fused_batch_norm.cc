@@ -1,5 +1,6 @@
 // FusedBatchNorm / V2 / V3 forward: validation in TensorFlow's order, then the kernels.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -120,36 +121,44 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
                              k_a, k_b, out.y.data);
     const double n = static_cast<double>(g.per_channel());
     const double bessel = n / std::max(n - 1.0, 1.0);
-    const double f = static_cast<double>(attrs.exponential_avg_factor);
-    const bool blend = attrs.exponential_avg_factor != 1.0f;
-    for (size_t c = 0; c < uc; ++c) {
-      const double unbiased = var_d[c] * bessel;
-      if (blend) {
-        batch_mean[c] =
-            static_cast<U>((1.0 - f) * static_cast<double>(old_mean[c]) + f * mean_d[c]);
-        batch_var[c] = static_cast<U>((1.0 - f) * static_cast<double>(old_var[c]) + f * unbiased);
-      } else {
-        batch_mean[c] = static_cast<U>(mean_d[c]);
-        batch_var[c] = static_cast<U>(unbiased);
-      }
-      rs1[c] = static_cast<U>(mean_d[c]);
-      rs2[c] = static_cast<U>(var_d[c]);
-    }
+    kernels::TrainingOutputs(std::is_same_v<U, double>, g.c, mean_d, var_d, old_mean, old_var,
+                             bessel, static_cast<double>(attrs.exponential_avg_factor),
+                             attrs.exponential_avg_factor != 1.0f, batch_mean, batch_var, rs1, rs2);
     return;
   } else {
     kernels::ScaleOverStdOfU(std::is_same_v<U, double>, C, old_var, scale, eps, k_a);
-    // Inputs are copied to scratch before any output is written: outputs may alias the
-    // mean/variance inputs.
     const size_t bytes = uc * sizeof(U);
-    U* var_copy = reinterpret_cast<U*>(var_d);
-    std::memcpy(k_mean, old_mean, bytes);
-    std::memcpy(var_copy, old_var, bytes);
-    std::memcpy(k_b, offset, bytes);
-    std::memcpy(batch_mean, k_mean, bytes);
-    std::memcpy(rs1, k_mean, bytes);
-    std::memcpy(batch_var, var_copy, bytes);
-    std::memcpy(rs2, var_copy, bytes);
-    kernels::Apply(in.x.dtype, g, in.x.data, k_mean, k_a, k_b, out.y.data);
+    const U* apply_mean = old_mean;
+    const U* apply_offset = offset;
+    const U* var_src = old_var;
+    const auto overlaps = [bytes](const void* p, const void* q) {
+      const auto a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+      return a < b + bytes && b < a + bytes;
+    };
+    bool aliased = false;
+    for (const void* o : {static_cast<void*>(batch_mean), static_cast<void*>(batch_var),
+                          static_cast<void*>(rs1), static_cast<void*>(rs2)}) {
+      for (const void* i : {static_cast<const void*>(old_mean), static_cast<const void*>(old_var),
+                            static_cast<const void*>(offset)}) {
+        aliased = aliased || overlaps(o, i);
+      }
+    }
+    if (aliased) {
+      // Outputs may alias the mean/variance (or offset) inputs: those are copied to scratch
+      // before any output is written.
+      U* var_copy = reinterpret_cast<U*>(var_d);
+      std::memcpy(k_mean, old_mean, bytes);
+      std::memcpy(var_copy, old_var, bytes);
+      std::memcpy(k_b, offset, bytes);
+      apply_mean = k_mean;
+      apply_offset = k_b;
+      var_src = var_copy;
+    }
+    std::memcpy(batch_mean, apply_mean, bytes);
+    std::memcpy(rs1, apply_mean, bytes);
+    std::memcpy(batch_var, var_src, bytes);
+    std::memcpy(rs2, var_src, bytes);
+    kernels::Apply(in.x.dtype, g, in.x.data, apply_mean, k_a, apply_offset, out.y.data);
   }
 }
 

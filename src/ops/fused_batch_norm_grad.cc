@@ -1,5 +1,6 @@
 // FusedBatchNormGrad / V2 / V3: validation in TensorFlow's order, then the kernels.
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -118,11 +119,9 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
   U* k2 = k1 + uc;
   U* k0 = k2 + uc;
   const double eps = static_cast<double>(attrs.epsilon);
-  kernels::InverseStd(std::is_same_v<U, double>, g.c, var, eps, inv);
-  for (size_t c = 0; c < uc; ++c) {
-    k_mean[c] = mean[c];
-    k1[c] = static_cast<U>(static_cast<double>(scale[c]) * inv[c]);
-  }
+  const bool wide = std::is_same_v<U, double>;
+  kernels::InverseStd(wide, g.c, var, scale, eps, inv, k1);
+  std::memcpy(k_mean, mean, uc * sizeof(U));
   if (attrs.is_training) {
     kernels::BackwardTraining(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, inv, k1, k2, k0,
                               sum_dy, sum_dy_xc, out.x_backprop.data);
@@ -130,10 +129,7 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
     kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
                             out.x_backprop.data, sum_dy, sum_dy_xc);
   }
-  for (size_t c = 0; c < uc; ++c) {
-    offset_bp[c] = static_cast<U>(sum_dy[c]);
-    scale_bp[c] = static_cast<U>(sum_dy_xc[c] * inv[c]);
-  }
+  kernels::GradientOutputs(wide, g.c, sum_dy, sum_dy_xc, inv, offset_bp, scale_bp);
 }
 
 }  // namespace

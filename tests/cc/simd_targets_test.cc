@@ -17,6 +17,7 @@
 
 #include "fbn/fbn.h"
 #include "hwy/targets.h"
+#include "kernels/channel_math.h"
 #include "kernels/kernel_table.h"
 #include "op_checks.h"
 #include "reference.h"
@@ -292,6 +293,59 @@ TEST_P(SimdTargetTest, MultiChannelRunsMatchSingleChannelRuns) {
         EXPECT_EQ(std::memcmp(&s_all[c], &s1, 8), 0) << "sum dy of channel " << c;
         EXPECT_EQ(std::memcmp(&t_all[c], &t1, 8), 0) << "sum dy(x - m) of channel " << c;
       }
+    }
+  }
+}
+
+// The per-channel math (channel_math.h) for float statistics: 1/sqrt may be a refined estimate
+// instead of a correctly rounded sqrt and division, but it must stay within 2 ulp of double over
+// the whole float range, give the exact expression's inf / NaN / 0 for special variances, and
+// give each channel the same value wherever it sits in a call (vector body or tail).
+TEST_P(SimdTargetTest, ChannelMathWithinTwoUlpOfDouble) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> exponent(-40.0, 38.0), mantissa(1.0, 10.0);
+  const int n = 203;  // whole vectors and a tail on every target
+  std::vector<float> var(n), scale(n), a(n), k1(n);
+  std::vector<double> inv(n);
+  for (int c = 0; c < n; ++c) {
+    var[c] = static_cast<float>(mantissa(rng) * std::pow(10.0, exponent(rng)));
+    scale[c] = static_cast<float>(mantissa(rng) - 5.5);
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  var[3] = 0.0f;  // with eps 0: 1/sqrt(0) = inf
+  var[4] = -1.0f;
+  var[5] = inf;
+  var[6] = std::numeric_limits<float>::quiet_NaN();
+  var[n - 1] = 0.0f;  // in the tail
+  for (double eps : {0.0, 1e-3}) {
+    SCOPED_TRACE("eps " + std::to_string(eps));
+    fbn::kernels::ScaleOverStdOfU(false, n, var.data(), scale.data(), eps, a.data());
+    fbn::kernels::InverseStd(false, n, var.data(), scale.data(), eps, inv.data(), k1.data());
+    for (int c = 0; c < n; ++c) {
+      const double want_inv = 1.0 / std::sqrt(static_cast<double>(var[c]) + eps);
+      const float want_a = static_cast<float>(static_cast<double>(scale[c]) * want_inv);
+      if (std::isnan(want_inv) || std::isinf(want_inv) || want_inv == 0.0) {
+        EXPECT_EQ(std::isnan(inv[c]), std::isnan(want_inv)) << c;
+        if (!std::isnan(want_inv)) {
+          EXPECT_EQ(inv[c], want_inv) << c;
+        }
+        continue;
+      }
+      EXPECT_LE(std::fabs(inv[c] - want_inv), 2 * std::ldexp(want_inv, -52)) << c;
+      EXPECT_LE(std::fabs(a[c] - want_a),
+                std::nextafter(std::fabs(want_a), inf) - std::fabs(want_a))
+          << c;
+      EXPECT_EQ(std::memcmp(&a[c], &k1[c], sizeof(float)), 0) << c;
+    }
+    // Channel by channel (every call a tail) gives the same bits as the whole call.
+    for (int c = 0; c < n; ++c) {
+      float one = 0;
+      double one_inv = 0;
+      float one_k1 = 0;
+      fbn::kernels::ScaleOverStdOfU(false, 1, &var[c], &scale[c], eps, &one);
+      fbn::kernels::InverseStd(false, 1, &var[c], &scale[c], eps, &one_inv, &one_k1);
+      EXPECT_EQ(std::memcmp(&one, &a[c], sizeof(float)), 0) << c;
+      EXPECT_EQ(std::memcmp(&one_inv, &inv[c], sizeof(double)), 0) << c;
     }
   }
 }
