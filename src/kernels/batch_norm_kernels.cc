@@ -370,7 +370,8 @@ HWY_INLINE void StripMeanBF16(D d, const BFloat16* x, int64_t C, int64_t c, int6
     LoadBF16Pair(d, pivot + c + 2 * p * N, pe[p], po[p]);
     ae[p] = ao[p] = hn::Zero(d);
   }
-  const auto ps = LoadAcc(d, pivot + cs);
+  // The single vector of an odd K only: past the strip otherwise.
+  const auto ps = K % 2 == 1 ? LoadAcc(d, pivot + cs) : hn::Zero(d);
   auto as = hn::Zero(d);
   for (int64_t r = b0 + 1; r < b1; ++r) {
     const BFloat16* xr = x + r * C;
@@ -400,7 +401,7 @@ HWY_INLINE void StripDeviationsBF16(D d, const BFloat16* x, int64_t C, int64_t c
     SplitPair(d, bm + c + 2 * p * N, me[p], mo[p]);
     s1e[p] = s1o[p] = s2e[p] = s2o[p] = hn::Zero(d);
   }
-  const auto ms = hn::LoadU(d, bm + cs);
+  const auto ms = K % 2 == 1 ? hn::LoadU(d, bm + cs) : hn::Zero(d);
   auto s1s = hn::Zero(d), s2s = hn::Zero(d);
   for (int64_t r = b0; r < b1; ++r) {
     const BFloat16* xr = x + r * C;
@@ -726,7 +727,11 @@ HWY_INLINE void StripApplyBF16(D d, const BFloat16* x, int64_t C, int64_t c, int
     SplitPair(d, b + c + 2 * p * N, bE[p], bO[p]);
   }
   const int64_t cs = c + 2 * P * N;  // the single vector of an odd K
-  const auto vm = hn::LoadU(d, mean + cs), va = hn::LoadU(d, a + cs), vb = hn::LoadU(d, b + cs);
+  // Loaded only for an odd K: past the strip (and the arrays) otherwise.
+  const bool single = K % 2 == 1;
+  const auto vm = single ? hn::LoadU(d, mean + cs) : hn::Zero(d);
+  const auto va = single ? hn::LoadU(d, a + cs) : hn::Zero(d);
+  const auto vb = single ? hn::LoadU(d, b + cs) : hn::Zero(d);
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t o = r * C + c;
     for (int p = 0; p < P; ++p) {
@@ -900,7 +905,7 @@ HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int6
     if (k1) SplitPair(d, k1 + c + 2 * p * N, ke[p], ko[p]);
     ge[p] = go[p] = xe[p] = xo[p] = hn::Zero(d);
   }
-  const auto ms = hn::LoadU(d, mean + cs);
+  const auto ms = K % 2 == 1 ? hn::LoadU(d, mean + cs) : hn::Zero(d);  // odd K only
   auto gs = hn::Zero(d), xs = hn::Zero(d);
   for (int64_t r = b0; r < b1; ++r) {
     const int64_t o = r * C;

@@ -85,9 +85,11 @@ HWY_INLINE hn::Vec<DD> LoadLanes(DD d, const U* p, int64_t c, int64_t n, bool ta
 template <typename U>
 HWY_INLINE void StoreLanes(DD d, hn::Vec<DD> v, U* p, int64_t c, int64_t n, bool tail) {
   if (!tail) return StoreFromDouble(d, v, p + c);
-  HWY_ALIGN double lanes[hn::MaxLanes(d)];
-  hn::Store(v, d, lanes);
-  for (int64_t i = 0; c + i < n; ++i) p[c + i] = static_cast<U>(lanes[i]);
+  // The same conversion as whole vectors (Highway's emulated DemoteTo is not static_cast for
+  // out-of-range values), then the lanes below n.
+  HWY_ALIGN U lanes[hn::MaxLanes(d)];
+  StoreFromDouble(d, v, lanes);
+  for (int64_t i = 0; c + i < n; ++i) p[c + i] = lanes[i];
 }
 
 // a = U(scale / sqrt(var + eps)) with var of type V (as scale · InvSqrt).
