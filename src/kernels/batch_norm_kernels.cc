@@ -253,14 +253,7 @@ HWY_INLINE void SplitPair(D d, const float* p, hn::Vec<D>& even, hn::Vec<D>& odd
 // Stores the even and odd lanes of a pair back in channel order (once per strip and block).
 template <class D>
 HWY_INLINE void StoreInterleaved(D d, hn::Vec<D> even, hn::Vec<D> odd, float* out) {
-  HWY_ALIGN float e[hn::MaxLanes(d)];
-  HWY_ALIGN float o[hn::MaxLanes(d)];
-  hn::Store(even, d, e);
-  hn::Store(odd, d, o);
-  for (size_t i = 0; i < hn::Lanes(d); ++i) {
-    out[2 * i] = e[i];
-    out[2 * i + 1] = o[i];
-  }
+  hn::StoreInterleaved2(even, odd, d, out);
 }
 
 // Row-by-row bfloat16 streaming reloads the coefficients from L1 for every row: they are split
