@@ -131,38 +131,86 @@ double ProbeBytesOneSweep(size_t elem_bytes, bool frozen) {
   return frozen ? kProbeFrozenBytes : kProbeBytes;
 }
 
+// Whether a call's input (x, or dy for gradients) is in the calling core's cache, probed before
+// the call reads anything and at most once: a probe brings its lines in, so a second probe would
+// always hit. The lines lie spread over what the calling thread's own tasks (its first block with
+// all threads working) read.
+class InputProbe {
+ public:
+  InputProbe(const Geometry& g, size_t elem_bytes, const void* in)
+      : g_(g), es_(static_cast<int64_t>(elem_bytes)), in_(in) {}
+
+  bool InCoreCache() {
+    if (state_ == kUnknown) state_ = Probe() ? kCached : kNotCached;
+    return state_ == kCached;
+  }
+
+ private:
+  bool Probe() const {
+    const int64_t threads = threading::NumThreads();
+    const void* lines[kProbeLines];
+    constexpr int64_t kHalves = 2 * kProbeLines;
+    const int64_t first_images = g_.n / threads;
+    for (int k = 0; k < kProbeLines; ++k) {
+      if (g_.channels_last) {
+        // Column 0 of rows in the first row range (also in the first channel group).
+        const int64_t rows = std::max<int64_t>(1, g_.n * g_.s / threads);
+        lines[k] = Offset(in_, (2 * k + 1) * rows / kHalves * g_.c, es_);
+      } else if (first_images >= kProbeLines) {
+        // Channel 0 of images in the first image range (also in the first channel range).
+        lines[k] =
+            Offset(in_, ((2 * k + 1) * first_images / kHalves * g_.c * g_.s) + g_.s / 2, es_);
+      } else {
+        // Spread over the first 1 / threads of the tensor (the first channel range).
+        lines[k] = Offset(in_, (2 * k + 1) * (g_.elements() / threads) / kHalves, es_);
+      }
+    }
+    return LinesInCoreCache(lines);
+  }
+
+  enum State { kUnknown, kCached, kNotCached };
+  const Geometry& g_;
+  int64_t es_;
+  const void* in_;
+  State state_ = kUnknown;
+};
+
+// Small calls (under threading's extra-thread threshold) whose input is not in the calling core's
+// cache read it from DRAM or another core at a latency that one thread cannot hide, so they take
+// a thread per this much traffic instead (ResNet-50 batch-1 NHWC, operands flushed: 7x7x512
+// bfloat16 inference 18.8 -> 15.0 us and training forward 23.8 -> 16.3 us). With the input in
+// cache a second thread costs more than it saves (7x7x256 float inference 2.8 -> 3.3 us).
+constexpr int64_t kColdBytesPerThread = 16 * 1024;
+// Calls with less traffic than this do not probe: their fixed cost decides.
+constexpr int64_t kColdProbeTraffic = 32 * 1024;
+
+// Threads for a call that moves `tensors` tensors of g's size.
+int CallThreads(const Geometry& g, size_t elem_bytes, int tensors, InputProbe& probe) {
+  const int64_t traffic = tensors * g.elements() * static_cast<int64_t>(elem_bytes);
+  const int threads = threading::ThreadsForWork(traffic);
+  if (threads >= threading::NumThreads() || traffic < kColdProbeTraffic || probe.InCoreCache()) {
+    return threads;
+  }
+  return std::min<int>(threading::NumThreads(),
+                       static_cast<int>(std::max<int64_t>(1, traffic / kColdBytesPerThread)));
+}
+
 // Whether a call writes its output with streaming stores, decided before it reads anything.
 // Outputs too large for the threads' L2 stream (StreamOutput). Smaller ones stream when the
-// call's input `in` (x, or dy for gradients) is not in the calling core's cache: the call then
-// reads from DRAM, and regular stores would fetch every output line from DRAM first (ResNet-50
-// batch-1 float, operands flushed: 256x14x14 training forward 32 -> 22 us, 256x28x28 inference
-// 77 -> 47 us). With the input in cache, the usual case when the previous layer has just
-// written it, the output stays in cache for the next layer (streaming it doubles the time).
-// The probed lines lie spread over what the calling thread's own tasks (the first block) read.
+// call's input is not in the calling core's cache: the call then reads from DRAM, and regular
+// stores would fetch every output line from DRAM first (ResNet-50 batch-1 float, operands
+// flushed: 256x14x14 training forward 32 -> 22 us, 256x28x28 inference 77 -> 47 us). With the
+// input in cache, the usual case when the previous layer has just written it, the output stays in
+// cache for the next layer (streaming it doubles the time).
 bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads,
-                  double probe_bytes, const void* in, bool short_planes = false) {
+                  double probe_bytes, InputProbe& probe, bool short_planes = false) {
   const int64_t es = static_cast<int64_t>(elem_bytes);
   const int64_t min_plane = short_planes ? kStreamLinePlaneBytes : kStreamPlaneBytes;
   if (!g.channels_last && g.s * es < min_plane) return false;
   if (StreamOutput(g, elem_bytes, tensors, threads)) return true;
   const double bytes = static_cast<double>(g.elements() * es);
   if (bytes < probe_bytes) return false;
-  const void* lines[kProbeLines];
-  constexpr int64_t kHalves = 2 * kProbeLines;
-  const int64_t first_images = g.n / threads;
-  for (int k = 0; k < kProbeLines; ++k) {
-    if (g.channels_last) {
-      // Column 0 of rows in the first row range (also in the first channel group).
-      const int64_t rows = std::max<int64_t>(1, g.n * g.s / threads);
-      lines[k] = Offset(in, (2 * k + 1) * rows / kHalves * g.c, es);
-    } else if (first_images >= kProbeLines) {
-      // Channel 0 of images in the first image range (also in the first channel range).
-      lines[k] = Offset(in, ((2 * k + 1) * first_images / kHalves * g.c * g.s) + g.s / 2, es);
-    } else {
-      lines[k] = Offset(in, (2 * k + 1) * g.s / kHalves, es);  // the first plane (>= 128 B)
-    }
-  }
-  return !LinesInCoreCache(lines);
+  return !probe.InCoreCache();
 }
 
 // Channels-last reduction tasks: contiguous ranges of rows, and when there are too few rows to
@@ -179,12 +227,17 @@ struct RowPartition {
 // this many rows to amortize it.
 constexpr int64_t kMinRowsPerTask = 64;
 constexpr int64_t kGroupChannels = 64;
+constexpr int64_t kGroupRows = 256;
+constexpr double kGroupTasks = 4;
 
 RowPartition PartitionRows(int64_t rows, int64_t channels, double channel_bytes) {
   const double row_bytes = static_cast<double>(channels) * channel_bytes;
   const double wanted_total = static_cast<double>(rows) * row_bytes / kReduceTaskBytes;
   const int64_t wanted =
-      ClampTasks(wanted_total, std::min<int64_t>(CeilDiv(rows, kMinRowsPerTask), kMaxReduceTasks));
+      rows <= kGroupRows && channels >= 2 * kGroupChannels && wanted_total <= kGroupTasks
+          ? 1
+          : ClampTasks(wanted_total,
+                       std::min<int64_t>(CeilDiv(rows, kMinRowsPerTask), kMaxReduceTasks));
   RowPartition p;
   p.rows_per_task = CeilDiv(rows, wanted);
   p.row_tasks = CeilDiv(rows, p.rows_per_task);
@@ -306,11 +359,12 @@ void MergeRowPartials(const RowPartition& p, int64_t rows, int64_t C, const doub
 
 }  // namespace
 
-void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
-                  double* variance) {
+namespace {
+
+void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int threads, double* mean,
+                      double* variance) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads = threading::ThreadsForWork(g.elements() * static_cast<int64_t>(es));
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
@@ -360,11 +414,16 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
   }
 }
 
-namespace {
+}  // namespace
 
-int ApplyThreads(const Geometry& g, size_t elem_bytes) {
-  return threading::ThreadsForWork(2 * g.elements() * static_cast<int64_t>(elem_bytes));
+void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
+                  double* variance) {
+  const size_t es = ElemBytes(dtype);
+  InputProbe probe(g, es, x);
+  ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
 }
+
+namespace {
 
 // Elementwise passes (inference, the backward apply) split `total` units (rows or elements) into
 // tasks of about kApplyTaskBytes, as many as a multiple of `threads`, with boundaries on multiples
@@ -391,10 +450,9 @@ void ForEachApplyRange(int64_t total, double unit_bytes, int64_t align, int thre
 constexpr int64_t kFlatAlign = 64;
 
 void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
-               const void* b, void* y, bool stream) {
+               const void* b, void* y, int threads, bool stream) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads = ApplyThreads(g, es);
   if (g.channels_last) {
     ForEachApplyRange(g.n * g.s, static_cast<double>(g.c * es), 1, threads,
                       [&](int64_t r0, int64_t r1) {
@@ -412,22 +470,21 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
            const void* b, void* y) {
   const size_t es = ElemBytes(dtype);
-  ApplyWith(dtype, g, x, mean, a, b, y,
-            StreamStores(g, es, 2, ApplyThreads(g, es), ProbeBytesOneSweep(es, false), x));
+  InputProbe probe(g, es, x);
+  const int threads = CallThreads(g, es, 2, probe);
+  ApplyWith(dtype, g, x, mean, a, b, y, threads,
+            StreamStores(g, es, 2, threads, ProbeBytesOneSweep(es, false), probe));
 }
 
 namespace {
 
 // Shared by BackwardReduce and FrozenBackward: k1 == nullptr means reduce only.
+// The frozen backward writes dx in the same sweep, streamed when `stream`.
 void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x, const void* mean,
-                const void* k1, void* dx, double* sum_dy, double* sum_dy_xc) {
+                const void* k1, void* dx, int threads, bool stream, double* sum_dy,
+                double* sum_dy_xc) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads =
-      threading::ThreadsForWork((k1 ? 3 : 2) * g.elements() * static_cast<int64_t>(es));
-  // The frozen backward writes dx in the same sweep, streamed as StreamStores decides.
-  const bool stream =
-      k1 != nullptr && StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), dy);
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
@@ -478,26 +535,29 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
 
 void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
-  ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, sum_dy, sum_dy_xc);
+  const size_t es = ElemBytes(dtype);
+  InputProbe probe(g, es, dy);
+  ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false, sum_dy,
+             sum_dy_xc);
 }
 
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc) {
-  ReduceImpl(dtype, g, dy, x, mean, k1, dx, sum_dy, sum_dy_xc);
+  const size_t es = ElemBytes(dtype);
+  InputProbe probe(g, es, dy);
+  const int threads = CallThreads(g, es, 3, probe);
+  ReduceImpl(dtype, g, dy, x, mean, k1, dx, threads,
+             StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe), sum_dy,
+             sum_dy_xc);
 }
 
 namespace {
 
-int BackwardThreads(const Geometry& g, size_t elem_bytes) {
-  return threading::ThreadsForWork(3 * g.elements() * static_cast<int64_t>(elem_bytes));
-}
-
 void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const void* x,
                        const void* mean, const void* k1, const void* k2, const void* k0, void* dx,
-                       bool stream) {
+                       int threads, bool stream) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
-  const int threads = BackwardThreads(g, es);
   if (g.channels_last) {
     ForEachApplyRange(
         g.n * g.s, static_cast<double>(g.c * es), 1, threads, [&](int64_t r0, int64_t r1) {
@@ -516,9 +576,10 @@ void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const 
 void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
   const size_t es = ElemBytes(dtype);
-  BackwardApplyWith(
-      dtype, g, dy, x, mean, k1, k2, k0, dx,
-      StreamStores(g, es, 3, BackwardThreads(g, es), ProbeBytesOneSweep(es, false), dy));
+  InputProbe probe(g, es, dy);
+  const int threads = CallThreads(g, es, 3, probe);
+  BackwardApplyWith(dtype, g, dy, x, mean, k1, k2, k0, dx, threads,
+                    StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, false), probe));
 }
 
 namespace {
@@ -584,8 +645,9 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   const KernelEntry& e = Entry(dtype);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
-  const int threads = ApplyThreads(g, es);
-  const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, x);
+  InputProbe probe(g, es, x);
+  const int threads = CallThreads(g, es, 2, probe);
+  const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, probe);
   const int64_t C = g.c, rows = g.n * g.s;
   const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
   // One row range: the groups share one slot of partials (their channels are disjoint).
@@ -613,14 +675,15 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
     return;
   }
   const KernelEntry& e = Entry(dtype);
-  const int threads = ApplyThreads(g, es);
+  InputProbe probe(g, es, x);
+  const int threads = CallThreads(g, es, 2, probe);
   const bool fused = FusePerChannel(g, static_cast<double>(es));
   // Decided before the statistics read x.
-  const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, x, fused && StreamLines(e));
+  const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, probe, fused && StreamLines(e));
   if (!fused) {
-    ComputeStats(dtype, g, x, mean, variance);
+    ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
     ForwardCoefficients(wide, 0, g.c, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-    ApplyWith(dtype, g, x, k_mean, k_a, k_b, y, stream);
+    ApplyWith(dtype, g, x, k_mean, k_a, k_b, y, threads, stream);
     return;
   }
   const int64_t C = g.c, M = g.per_channel();
@@ -655,8 +718,9 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   if (FuseChannelGroups(g, 2.0 * static_cast<double>(es))) {
     // As ForwardTrainingGroups: each channel group's sums are final within its task.
     const KernelEntry& e = Entry(dtype);
-    const int threads = BackwardThreads(g, es);
-    const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, dy);
+    InputProbe probe(g, es, dy);
+    const int threads = CallThreads(g, es, 3, probe);
+    const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe);
     const int64_t C = g.c, rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     double* tmp = Scratch(2 * static_cast<size_t>(C));
@@ -670,14 +734,16 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     return;
   }
   const KernelEntry& e = Entry(dtype);
-  const int threads = BackwardThreads(g, es);
+  InputProbe probe(g, es, dy);
+  const int threads = CallThreads(g, es, 3, probe);
   const bool fused = FusePerChannel(g, 2.0 * static_cast<double>(es));
   // Decided before the sums read dy.
-  const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, dy, fused && StreamLines(e));
+  const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe, fused && StreamLines(e));
   if (!fused) {
-    ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_dy, sum_dy_xc);
+    ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false,
+               sum_dy, sum_dy_xc);
     BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-    BackwardApplyWith(dtype, g, dy, x, k_mean, k1, k2, k0, dx, stream);
+    BackwardApplyWith(dtype, g, dy, x, k_mean, k1, k2, k0, dx, threads, stream);
     return;
   }
   const int64_t C = g.c, M = g.per_channel();

@@ -41,6 +41,8 @@ const Workload kWorkloads[] = {
     {"nchw_pieces", TensorFormat::kNCHW, {2, 1, 768, 704}},
     // Too few rows to split: the reductions split the channels into groups (with a tail).
     {"nhwc_channel_groups", TensorFormat::kNHWC, {1, 7, 7, 2051}},
+    // Few rows (at most 256) of a small tensor: channel groups over all rows too.
+    {"nhwc_short_rows", TensorFormat::kNHWC, {1, 14, 14, 1000}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
@@ -160,9 +162,10 @@ INSTANTIATE_TEST_SUITE_P(
       return DTypeTag(std::get<0>(p.param)) + "_" + kWorkloads[std::get<1>(p.param)].name;
     });
 
-// Outputs of tensors that fit the caches stream when their inputs are not cached (a timed probe):
-// the store kind must never change a value. Shapes above the probing sizes (32 KB, and 512 KB for
-// 16-bit single-sweep passes), both layouts, the channel-group path, short planes.
+// Outputs of tensors that fit the caches stream when their inputs are not cached (a timed probe),
+// and small calls take a second thread then: neither the store kind nor the thread count may
+// change a value. Shapes above the probing sizes (32 KB, and 512 KB for 16-bit single-sweep
+// passes), small ones, both layouts, the channel-group path, short planes.
 TEST(CacheResidency, SameOutputsWithInputsEvicted) {
   HostTensor probe(DataType::kFloat32, Shape{16});
   if (!EvictFromCaches(probe.data(), probe.bytes())) GTEST_SKIP() << "no cache flush here";
@@ -170,6 +173,9 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       {"nhwc_rows", TensorFormat::kNHWC, {1, 28, 28, 256}},
       {"nhwc_wide", TensorFormat::kNHWC, {1, 28, 28, 512}},
       {"nhwc_groups", TensorFormat::kNHWC, {1, 7, 7, 2048}},
+      // Small enough for one thread when cached, two when not.
+      {"nhwc_small", TensorFormat::kNHWC, {1, 7, 7, 512}},
+      {"nchw_small", TensorFormat::kNCHW, {1, 512, 7, 7}},
       {"nchw", TensorFormat::kNCHW, {1, 256, 28, 28}},
       {"nchw_images", TensorFormat::kNCHW, {16, 64, 16, 16}},
       // Planes shorter than 512 bytes: the fused training paths stream their whole lines.
