@@ -25,6 +25,10 @@ constexpr double kReduceTaskBytes = 256.0 * 1024;
 // still in the core's L2 (or L3): the fused paths read it from DRAM once.
 constexpr double kChannelTaskBytes = 2.0 * 1024 * 1024;
 constexpr int64_t kMaxReduceTasks = 64;
+// Channels-last reductions of tensors at least this large prefetch the next block of rows: from
+// DRAM they gain (128x56x56x256 training forward bfloat16 1.27x, float 1.11x), from the last-level
+// cache they lose (32x28x28x256 float 0.75x). 64 MB is this VM's measured effective LLC.
+constexpr double kPrefetchStatsBytes = 64.0 * 1024 * 1024;
 // Batch-1 channels-first fused paths reduce and rewrite a task's channels in chunks of about this
 // many bytes of their inputs (FusedChunk).
 constexpr double kFusedChunkBytes = 16.0 * 1024;
@@ -46,6 +50,10 @@ constexpr int64_t kCacheLineBytes = 64;
 
 bool StreamLines(const KernelEntry& e) {
   return e.stream_unit_bytes > 0 && e.stream_unit_bytes % kCacheLineBytes == 0;
+}
+
+bool PrefetchStats(const Geometry& g, size_t elem_bytes) {
+  return static_cast<double>(g.elements()) * static_cast<double>(elem_bytes) >= kPrefetchStatsBytes;
 }
 
 // The L2 size of one core (sysconf; 1 MB where it is not reported).
@@ -369,6 +377,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
+    const bool prefetch = PrefetchStats(g, es);
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -376,7 +385,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
       double* s = partial + slot * static_cast<size_t>(rt);
       const int64_t r0 = rt * p.rows_per_task;
       e.stats_rows(x, C, c0, std::min(C, c0 + p.width), r0, std::min(rows, r0 + p.rows_per_task), s,
-                   s + C, s + 2 * C);
+                   s + C, s + 2 * C, prefetch);
     });
     MergeRowPartials(p, rows, C, partial, slot, 0, C, mean, variance);
     for (int64_t c = 0; c < C; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
@@ -491,13 +500,14 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
+    const bool prefetch = PrefetchStats(g, es);
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
       const int64_t rt = t / p.groups, c0 = (t % p.groups) * p.width;
       double* s = partial + slot * static_cast<size_t>(rt);
       const int64_t r0 = rt * p.rows_per_task;
       e.reduce_rows(dy, x, C, c0, std::min(C, c0 + p.width), r0,
-                    std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx, s + 2 * C,
-                    stream);
+                    std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx, s + 2 * C, stream,
+                    prefetch);
     });
     // Row ranges outer, channels inner (vectorizable; same order per channel).
     std::fill(sum_dy, sum_dy + C, 0.0);
@@ -655,7 +665,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   double* partial = Scratch(slot);
   threading::ParallelFor(p.groups, threads, [&](int64_t t) {
     const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
-    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C);
+    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, false);
     MergeRowPartials(p, rows, C, partial, slot, c0, c1, mean, variance);
     for (int64_t c = c0; c < c1; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
     ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
@@ -727,7 +737,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     threading::ParallelFor(p.groups, threads, [&](int64_t t) {
       const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
       e.reduce_rows(dy, x, C, c0, c1, 0, rows, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, tmp,
-                    false);
+                    false, false);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       e.backward_apply_rows(dy, x, C, c0, c1, 0, rows, k_mean, k1, k2, k0, dx, stream);
     });

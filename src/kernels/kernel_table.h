@@ -12,8 +12,9 @@ struct KernelEntry {
   // Channels-last kernels work on rows [r0, r1) and channels [c0, c1) of rows of C channels;
   // their per-channel arrays are indexed by channel.
   // Statistics: per-channel mean and M2 of the range. tmp: 3·C accumulators of scratch.
+  // `prefetch`: x comes from DRAM; software prefetches help the first pass.
   void (*stats_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
-                     double* mean, double* m2, void* tmp);
+                     double* mean, double* m2, void* tmp, bool prefetch);
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);
@@ -27,10 +28,10 @@ struct KernelEntry {
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
-  // accumulators of scratch.
+  // accumulators of scratch. `prefetch` as for stats_rows.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0,
                       int64_t r1, const void* mean, double* sum_dy, double* sum_dy_xc,
-                      const void* k1, void* dx, void* tmp, bool stream);
+                      const void* k1, void* dx, void* tmp, bool stream, bool prefetch);
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
                      double* sum_dy_xc, const void* k1, void* dx, bool stream);
