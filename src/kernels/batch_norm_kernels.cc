@@ -176,9 +176,11 @@ constexpr bool kStreamsSingles = !(HWY_TARGET != HWY_SCALAR && std::is_same_v<T,
 // Streaming passes read from DRAM, and there the hardware prefetchers alone left one core short
 // of the copy bandwidth: the loops spend more instructions per line than a copy, so fewer lines
 // are in flight (2 threads, bfloat16 inference 21 GB/s, a copy 30). Software prefetches this far
-// ahead of the loads restore it (a test loop: 21 -> 30 GB/s bfloat16, 27 -> 32 float). They stay
-// inside the caller's range: past it lie other tasks' data, fetched early or twice (32x256x14x14
-// float training forward 0.82x when its rewrite prefetched the next channels).
+// ahead of the loads restore it (a test loop: 21 -> 30 GB/s bfloat16, 27 -> 32 float). Only the
+// bfloat16 writers (most instructions per line) use them: float gained 0-10% from DRAM and lost
+// about as much on tensors held by the last-level cache. They stay inside the caller's range:
+// past it lie other tasks' data, fetched early or twice (32x256x14x14 float training forward
+// 0.82x when its rewrite prefetched the next channels).
 constexpr int64_t kPrefetchAheadBytes = 4096;
 
 template <typename T>
@@ -192,11 +194,6 @@ template <typename T>
 HWY_INLINE void PrefetchNextBlock(const T* x, int64_t C, int64_t c, int64_t r, int64_t nb,
                                   int64_t prefetch_end) {
   if (r + nb < prefetch_end) __builtin_prefetch(x + (r + nb) * C + c, 0, 2);
-}
-
-// Rows ahead for a strip reading `bytes` of each row.
-HWY_INLINE int64_t PrefetchRows(int64_t bytes) {
-  return bytes >= kPrefetchAheadBytes ? 1 : kPrefetchAheadBytes / bytes;
 }
 
 #undef FBN_BF16_PAIRS
@@ -797,12 +794,9 @@ HWY_INLINE void StripApply(D d, const T* x, int64_t C, int64_t c, int64_t r0, in
     va[j] = hn::LoadU(d, a + c + j * N);
     vb[j] = hn::LoadU(d, b + c + j * N);
   }
-  const int64_t rows_ahead = PrefetchRows(K * N * static_cast<int64_t>(sizeof(T)));
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t o = r * C + c;
-    const bool prefetch = nt && r + rows_ahead < r1;
     for (int j = 0; j < K; ++j) {
-      if (prefetch) hwy::Prefetch(x + o + rows_ahead * C + j * N);
       const auto v = hn::Sub(LoadAcc(d, x + o + j * N), vm[j]);
       StoreAcc(d, hn::MulAdd(v, va[j], vb[j]), y + o + j * N, nt);
     }
@@ -894,7 +888,6 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
   // The plane and channel of f0, then advanced plane by plane: ranges spanning many small planes
   // (batch-1 7x7) would otherwise pay two integer divisions per plane.
   int64_t plane = f0 / S, c = plane % C;
-  const int64_t prefetch_end = f1 - kPrefetchAhead<T>;
   for (int64_t f = f0; f < f1; ++plane, c = c + 1 == C ? 0 : c + 1) {
     const int64_t end = (plane + 1) * S < f1 ? (plane + 1) * S : f1;
     const auto vm = hn::Set(d, mean[c]), va = hn::Set(d, a[c]), vb = hn::Set(d, b[c]);
@@ -907,7 +900,7 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
       i = FlatPairs(d, y, i, end, nt, [&](int64_t j) {
-        if (nt && j < prefetch_end) hwy::Prefetch(x + j + kPrefetchAhead<T>);
+        if (nt && j < f1 - kPrefetchAhead<T>) hwy::Prefetch(x + j + kPrefetchAhead<T>);
         hn::Vec<decltype(d)> ev, od;
         LoadBF16Pair(d, x + j, ev, od);
         return BF16PairBits(d, hn::MulAdd(hn::Sub(ev, vm), va, vb),
@@ -917,7 +910,6 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 #endif
     const bool nt_rest = nt && kStreamsSingles<T>;
     for (; i + N <= end; i += N) {
-      if (nt_rest && i < prefetch_end) hwy::Prefetch(x + i + kPrefetchAhead<T>);
       StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), vm), va, vb), y + i, nt_rest);
     }
     for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
