@@ -347,7 +347,8 @@ HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes) {
   // At least 64 rows, so the per-channel merge is amortized over many rows even for wide C.
   return rows < 64 ? 64 : (rows > 2048 ? 2048 : rows);
 }
-constexpr int64_t kRunBlock = 4096;  // elements per block of a channels-first reduction
+constexpr int64_t kRunBlock = 4096;        // elements per block of a channels-first reduction
+constexpr int64_t kShortPlaneBytes = 256;  // channels-first planes read several channels at once
 
 // ------------------------------------------------------------------------------------------------
 // Stats.
@@ -718,20 +719,54 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
   *m2 = q;
 }
 
+// K channels' statistics as StatsRun gives each: the same blocks and merges, the blocks of the K
+// channels read together (BlockTwoPass<K>).
+template <int K, typename T>
+HWY_INLINE void StatsChannels(const T* x, int64_t C, int64_t S, int64_t M, int64_t c, double* mean,
+                              double* m2) {
+  const T* base[K];
+  for (int j = 0; j < K; ++j) base[j] = x + (c + j) * S;
+  double count = 0;
+  for (int64_t b0 = 0; b0 < M; b0 += kRunBlock) {
+    const int64_t b1 = b0 + kRunBlock < M ? b0 + kRunBlock : M;
+    double bm[K], bq[K];
+    BlockTwoPass<K>(base, C * S, S, b0, b1, bm, bq);
+    for (int j = 0; j < K; ++j) {
+      if (b0 == 0) {
+        mean[j] = bm[j];
+        m2[j] = bq[j];
+      } else {
+        double cj = count;
+        ChanMerge(cj, mean[j], m2[j], static_cast<double>(b1 - b0), bm[j], bq[j]);
+      }
+    }
+    count += static_cast<double>(b1 - b0);
+  }
+}
+
 // Channels-first: statistics of whole channels [c0, c1) of an images x C x S tensor, as StatsRun
-// per channel gives them. Channels of one block go four at a time through BlockTwoPass.
+// per channel gives them. Four channels at a time where each fits one block (their lane
+// reductions and divisions overlap) or where planes are at most kShortPlaneBytes: an image's
+// planes of consecutive channels are adjacent, so four 7x7 or 8x8 planes are one run the
+// prefetchers follow instead of 4 lines far apart (96x384x8x8 and 128x2048x7x7 training forward
+// 1.6-1.9x faster; 14x14 and larger planes measured 0.85-0.97x, so they keep one channel).
 template <typename T>
 void StatsRuns(const void* xv, int64_t C, int64_t S, int64_t images, int64_t c0, int64_t c1,
                double* mean, double* m2) {
   const T* x = static_cast<const T*>(xv);
   const int64_t M = images * S;
   int64_t c = c0;
-  if (M <= kRunBlock) {
-    constexpr int K = 4;
-    for (; c + K <= c1; c += K) {
-      const T* base[K];
-      for (int j = 0; j < K; ++j) base[j] = x + (c + j) * S;
-      BlockTwoPass<K>(base, C * S, S, 0, M, mean + c, m2 + c);
+  if (M <= kRunBlock || S * static_cast<int64_t>(sizeof(T)) <= kShortPlaneBytes) {
+    for (; c + 4 <= c1; c += 4) StatsChannels<4>(x, C, S, M, c, mean + c, m2 + c);
+    switch (c1 - c) {
+      case 3:
+        StatsChannels<3>(x, C, S, M, c, mean + c, m2 + c);
+        return;
+      case 2:
+        StatsChannels<2>(x, C, S, M, c, mean + c, m2 + c);
+        return;
+      default:
+        break;
     }
   }
   for (; c < c1; ++c) StatsRun<T>(x + c * S, C * S, S, 0, M, mean + c, m2 + c);

@@ -292,7 +292,9 @@ TEST_P(SimdTargetTest, MultiChannelRunsMatchSingleChannelRuns) {
     int64_t images, c, s;
   };
   // C = 7: one group of four and three channels left; 2 x 3000 elements: more than one block.
-  const Case cases[] = {{1, 7, 1}, {1, 7, 49}, {3, 7, 5}, {2, 9, 64}, {4, 6, 100}, {2, 5, 3000}};
+  // Short planes over more than one block (90 x 49, 150 x 30) take the grouped statistics too.
+  const Case cases[] = {{1, 7, 1},   {1, 7, 49},   {3, 7, 5},   {2, 9, 64},
+                        {4, 6, 100}, {2, 5, 3000}, {90, 6, 49}, {150, 7, 30}};
   for (DataType t : kAllDtypes) {
     const DataType acc = t == DataType::kFloat64 ? DataType::kFloat64 : DataType::kFloat32;
     const fbn::kernels::KernelEntry& e = entries[static_cast<int>(t)];
