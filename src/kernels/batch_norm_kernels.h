@@ -32,7 +32,8 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
 
 // Training forward: statistics, then y = (x - mean)·a + offset with a = scale / sqrt(var + eps).
 // Channels-first channels small enough for one reduction task are normalized right after their
-// statistics, while still in cache (one DRAM read instead of two). scale/offset and the scratch
+// statistics, while still in cache (one DRAM read instead of two); larger ones up to 32 MB one at
+// a time by all threads, each rewriting the pieces it reduced. scale/offset and the scratch
 // arrays k_mean/k_a/k_b (C each, filled here) are of the accumulation type, as for Apply.
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
@@ -40,7 +41,8 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
 
 // Training backward with saved statistics: sums, then dx = k1·dy + k2·(x - m) + k0 where
 // k1 = scale·inv (given), k0 = -k1·Σdy/n, k2 = -k1·inv²·Σdy(x - m)/n (filled here). Fused per
-// channel when a channels-first channel fits one task, like ForwardTraining.
+// channel for channels-first tensors, like ForwardTraining. Both give the results of the separate
+// passes (ComputeStats and Apply, BackwardReduce and BackwardApply) bit for bit.
 void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const void* x,
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
                       double* sum_dy, double* sum_dy_xc, void* dx);
