@@ -349,6 +349,8 @@ HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes) {
 }
 constexpr int64_t kRunBlock = 4096;        // elements per block of a channels-first reduction
 constexpr int64_t kShortPlaneBytes = 256;  // channels-first planes read several channels at once
+constexpr int64_t kShortRunBytes = 2048;   // channels-first runs whose statistics prefetch ahead
+constexpr int64_t kPrefetchPlanes = 2;
 
 // ------------------------------------------------------------------------------------------------
 // Stats.
@@ -594,14 +596,15 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   }
 }
 
-// Calls f(offset, len) for the contiguous pieces of elements [v0, v1) of a channel laid out as
-// planes of S elements `plane_stride` apart, offsets counted from the channel's first element.
+// Calls f(offset, len, v) for the contiguous pieces of elements [v0, v1) of a channel laid out as
+// planes of S elements `plane_stride` apart, offsets counted from the channel's first element; v
+// is the piece's first element index.
 template <class F>
 HWY_INLINE void ForEachOffsetPiece(int64_t plane_stride, int64_t S, int64_t v0, int64_t v1, F&& f) {
   int64_t plane = v0 / S, off = v0 % S;
   for (int64_t v = v0; v < v1;) {
     const int64_t len = S - off < v1 - v ? S - off : v1 - v;
-    f(plane * plane_stride + off, len);
+    f(plane * plane_stride + off, len, v);
     v += len;
     ++plane;
     off = 0;
@@ -614,9 +617,23 @@ HWY_INLINE void ForEachOffsetPiece(int64_t plane_stride, int64_t S, int64_t v0, 
 // a merge and the lane reductions each. Each channel gets the operations, in the order, of K = 1:
 // interleaving K channels only overlaps their dependency chains (lane reductions, divisions),
 // which dominate small channels (batch-1 7x7x2048 training forward 1.2-1.5x faster with K = 4).
+// Short planes (up to kShortRunBytes) are a few lines each, far apart (batch 128 x 14x14: 392
+// bytes 100 KB apart): too short for the hardware prefetchers to ramp up, so the loads of each
+// plane wait for memory. The first pass prefetches the same piece kPrefetchPlanes planes ahead
+// when it lies before `prefetch_end` (an element index of the channel): 128x512x28x28 bfloat16
+// training forward 17.0 -> 13.3 ms, 96x192x17x17 float 2.2 -> 1.6 ms.
+template <typename T>
+HWY_INLINE void PrefetchPlaneAhead(const T* p, int64_t plane_stride, int64_t S, int64_t n,
+                                   int64_t v, int64_t prefetch_end) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  if (bytes > kShortRunBytes || v + kPrefetchPlanes * S + n > prefetch_end) return;
+  const char* q = reinterpret_cast<const char*>(p + kPrefetchPlanes * plane_stride);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 3);
+}
+
 template <int K, typename T>
 HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t S, int64_t v0,
-                             int64_t v1, double* out_mean, double* out_m2) {
+                             int64_t v1, int64_t prefetch_end, double* out_mean, double* out_m2) {
   using A = Acc<T>;
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -631,7 +648,9 @@ HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t
     s[j] = 0;
   }
   // Offsets of the pieces relative to each channel's base.
-  ForEachOffsetPiece(plane_stride, S, v0, v1, [&](int64_t o, int64_t n) {
+  ForEachOffsetPiece(plane_stride, S, v0, v1, [&](int64_t o, int64_t n, int64_t v) {
+    for (int j = 0; j < K; ++j)
+      PrefetchPlaneAhead(base[j] + o, plane_stride, S, n, v, prefetch_end);
     int64_t i = 0;
     for (; i + 2 * N <= n; i += 2 * N) {
       for (int j = 0; j < K; ++j) {
@@ -657,7 +676,7 @@ HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t
     c0[j] = c1[j] = q0[j] = q1[j] = hn::Zero(d);
     c[j] = q[j] = 0;
   }
-  ForEachOffsetPiece(plane_stride, S, v0, v1, [&](int64_t o, int64_t n) {
+  ForEachOffsetPiece(plane_stride, S, v0, v1, [&](int64_t o, int64_t n, int64_t) {
     int64_t i = 0;
     for (; i + 2 * N <= n; i += 2 * N) {
       for (int j = 0; j < K; ++j) {
@@ -706,7 +725,7 @@ void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, in
   for (int64_t b0 = v0; b0 < v1; b0 += kRunBlock) {
     const int64_t b1 = b0 + kRunBlock < v1 ? b0 + kRunBlock : v1;
     double bm, bq;
-    BlockTwoPass<1>(&base, plane_stride, S, b0, b1, &bm, &bq);
+    BlockTwoPass<1>(&base, plane_stride, S, b0, b1, v1, &bm, &bq);
     if (count == 0) {  // what ChanMerge gives for the first block, without its divisions
       count = static_cast<double>(b1 - b0);
       mu = bm;
@@ -730,7 +749,7 @@ HWY_INLINE void StatsChannels(const T* x, int64_t C, int64_t S, int64_t M, int64
   for (int64_t b0 = 0; b0 < M; b0 += kRunBlock) {
     const int64_t b1 = b0 + kRunBlock < M ? b0 + kRunBlock : M;
     double bm[K], bq[K];
-    BlockTwoPass<K>(base, C * S, S, b0, b1, bm, bq);
+    BlockTwoPass<K>(base, C * S, S, b0, b1, M, bm, bq);
     for (int j = 0; j < K; ++j) {
       if (b0 == 0) {
         mean[j] = bm[j];
@@ -1179,6 +1198,10 @@ HWY_INLINE void ReduceChannels(const T* dy, const T* x, const int64_t* first, in
     if (len > M - v) len = M - v;
     if (len > kRunBlock) len = kRunBlock;
     const int64_t o = plane * plane_stride + off;
+    for (int j = 0; j < K; ++j) {
+      PrefetchPlaneAhead(dy + first[j] + o, plane_stride, S, len, v, M);
+      PrefetchPlaneAhead(x + first[j] + o, plane_stride, S, len, v, M);
+    }
     hn::Vec<decltype(d)> sv[K], tv[K];
     for (int j = 0; j < K; ++j) sv[j] = tv[j] = hn::Zero(d);
     int64_t i = 0;
