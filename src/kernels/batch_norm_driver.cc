@@ -281,6 +281,10 @@ RowPartition PartitionRows(int64_t rows, int64_t channels, double channel_bytes,
 // when a channel is one piece, `group` channels share a task.
 struct RunPartition {
   int64_t pieces, piece_len, group, tasks;
+  int64_t begin(int64_t piece) const { return piece * piece_len; }
+  int64_t end(int64_t piece, int64_t per_channel) const {
+    return std::min(per_channel, begin(piece) + piece_len);
+  }
 };
 RunPartition PartitionRuns(int64_t channels, int64_t per_channel, double elem_bytes) {
   RunPartition p;
@@ -310,8 +314,7 @@ void ForEachRun(const RunPartition& p, int64_t channels, int64_t per_channel, in
     for (int64_t c = t * p.group; c < c1; ++c) f(c, int64_t{0}, int64_t{0}, per_channel);
   } else {
     const int64_t c = t / p.pieces, piece = t % p.pieces;
-    const int64_t v0 = piece * p.piece_len;
-    f(c, piece, v0, std::min(per_channel, v0 + p.piece_len));
+    f(c, piece, p.begin(piece), p.end(piece, per_channel));
   }
 }
 
@@ -320,10 +323,7 @@ const double* PieceWeights(const RunPartition& p, int64_t M) {
   std::vector<double>& w = MergeScratch(2 * static_cast<size_t>(p.pieces));
   ChanWeights(
       p.pieces,
-      [&](int64_t piece) {
-        const int64_t v0 = piece * p.piece_len;
-        return static_cast<double>(std::min(M, v0 + p.piece_len) - v0);
-      },
+      [&](int64_t piece) { return static_cast<double>(p.end(piece, M) - p.begin(piece)); },
       w.data());
   return w.data();
 }
@@ -700,17 +700,28 @@ bool FuseSplitChannels(const Geometry& g, double bytes_per_element) {
   return channel_bytes > kChannelTaskBytes && channel_bytes <= kSplitChannelBytes;
 }
 
-// The rewrite region of FuseSplitChannels: each thread takes the block of pieces that the
-// reduction region's static schedule gave it (ParallelFor over p.pieces), last piece first, so
-// the pieces it read last, the ones its cache still holds when a thread's share exceeds it, are
-// rewritten before the older ones are fetched again.
-template <typename F>
-void ForEachPieceBackwards(const RunPartition& p, int threads, F&& f) {
+// The FuseSplitChannels loop: per channel c, reduce(c, piece, v0, v1) for every piece in one
+// parallel region, finish(c) on the calling thread, then rewrite(f0, f1) over the flat ranges of
+// the channel. In the rewrite each thread takes the block of pieces the reduction region's static
+// schedule gave it, last piece first: the pieces it read last, the ones its cache still holds
+// when a thread's share exceeds it, are rewritten before the older ones are fetched again.
+template <typename Reduce, typename Finish, typename Rewrite>
+void ForEachSplitChannel(const Geometry& g, const RunPartition& p, int threads, Reduce&& reduce,
+                         Finish&& finish, Rewrite&& rewrite) {
+  const int64_t M = g.per_channel();
   const int64_t blocks = std::min<int64_t>(threads, p.pieces);
-  threading::ParallelFor(blocks, threads, [&](int64_t b) {
-    const int64_t t0 = p.pieces * b / blocks, t1 = p.pieces * (b + 1) / blocks;
-    for (int64_t piece = t1 - 1; piece >= t0; --piece) f(piece);
-  });
+  for (int64_t c = 0; c < g.c; ++c) {
+    threading::ParallelFor(p.pieces, threads, [&](int64_t piece) {
+      reduce(c, piece, p.begin(piece), p.end(piece, M));
+    });
+    finish(c);
+    threading::ParallelFor(blocks, threads, [&](int64_t b) {
+      const int64_t t0 = p.pieces * b / blocks, t1 = p.pieces * (b + 1) / blocks;
+      for (int64_t piece = t1 - 1; piece >= t0; --piece) {
+        ForEachPieceRange(g, c, p.begin(piece), p.end(piece, M), rewrite);
+      }
+    });
+  }
 }
 
 void ForwardTrainingSplit(DataType dtype, const Geometry& g, const void* x, const void* scale,
@@ -723,23 +734,20 @@ void ForwardTrainingSplit(DataType dtype, const Geometry& g, const void* x, cons
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
   double* partial = Scratch(2 * static_cast<size_t>(p.pieces));
   const double* w = PieceWeights(p, M);
-  for (int64_t c = 0; c < C; ++c) {
-    const void* xc = Offset(x, c * g.s, es);
-    threading::ParallelFor(p.pieces, threads, [&](int64_t piece) {
-      const int64_t v0 = piece * p.piece_len;
-      e.stats_run(xc, C * g.s, g.s, v0, std::min(M, v0 + p.piece_len), &partial[2 * piece],
-                  &partial[2 * piece + 1]);
-    });
-    MergePieceStats(p, M, w, partial, &mean[c], &variance[c]);
-    FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-    ForwardCoefficients(wide, c, c + 1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-    ForEachPieceBackwards(p, threads, [&](int64_t piece) {
-      const int64_t v0 = piece * p.piece_len;
-      ForEachPieceRange(g, c, v0, std::min(M, v0 + p.piece_len), [&](int64_t f0, int64_t f1) {
+  ForEachSplitChannel(
+      g, p, threads,
+      [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
+        e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &partial[2 * piece],
+                    &partial[2 * piece + 1]);
+      },
+      [&](int64_t c) {
+        MergePieceStats(p, M, w, partial, &mean[c], &variance[c]);
+        FixNonFiniteMean(dtype, g, x, c, &mean[c]);
+        ForwardCoefficients(wide, c, c + 1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
+      },
+      [&](int64_t f0, int64_t f1) {
         e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
       });
-    });
-  }
 }
 
 void BackwardTrainingSplit(DataType dtype, const Geometry& g, const void* dy, const void* x,
@@ -752,22 +760,20 @@ void BackwardTrainingSplit(DataType dtype, const Geometry& g, const void* dy, co
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   double* partial = Scratch(2 * static_cast<size_t>(p.pieces));
-  for (int64_t c = 0; c < C; ++c) {
-    threading::ParallelFor(p.pieces, threads, [&](int64_t piece) {
-      const int64_t v0 = piece * p.piece_len;
-      e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, std::min(M, v0 + p.piece_len), k_mean, c,
-                   &partial[2 * piece], &partial[2 * piece + 1], nullptr, nullptr, false);
-    });
-    MergePieceSums(p, partial, &sum_dy[c], &sum_dy_xc[c]);
-    BackwardCoefficients(wide, c, c + 1, static_cast<double>(M), sum_dy, sum_dy_xc, inv, k1, k2,
-                         k0);
-    ForEachPieceBackwards(p, threads, [&](int64_t piece) {
-      const int64_t v0 = piece * p.piece_len;
-      ForEachPieceRange(g, c, v0, std::min(M, v0 + p.piece_len), [&](int64_t f0, int64_t f1) {
+  ForEachSplitChannel(
+      g, p, threads,
+      [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
+        e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, k_mean, c, &partial[2 * piece],
+                     &partial[2 * piece + 1], nullptr, nullptr, false);
+      },
+      [&](int64_t c) {
+        MergePieceSums(p, partial, &sum_dy[c], &sum_dy_xc[c]);
+        BackwardCoefficients(wide, c, c + 1, static_cast<double>(M), sum_dy, sum_dy_xc, inv, k1, k2,
+                             k0);
+      },
+      [&](int64_t f0, int64_t f1) {
         e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
       });
-    });
-  }
 }
 
 void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, const void* scale,

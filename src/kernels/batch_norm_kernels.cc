@@ -317,18 +317,9 @@ HWY_INLINE bool PairsStream(D, int64_t, int64_t, const T*) {
 }
 #endif
 
-// Merges a block's (count, mean, m2) into a running state with Chan's formula, in double.
-HWY_INLINE void ChanMerge(double& count, double& mean, double& m2, double nb, double mb,
-                          double m2b) {
-  const double total = count + nb;
-  const double delta = mb - mean;
-  mean += delta * (nb / total);
-  m2 += m2b + delta * delta * (count * nb / total);
-  count = total;
-}
-
-// Chan's merge for many channels that share the counts: the weights are computed once per block,
-// so the per-channel work has no division.
+// Chan's merge of a block of nb values into a running state of `count` values, for many channels
+// that share the counts: the weights are computed once per block, so the per-channel work has no
+// division.
 struct MergeWeights {
   double inv_nb;  // 1 / block count
   double w;       // nb / (count + nb)
@@ -583,7 +574,7 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     }
     const MergeWeights mw = WeightsFor(count, static_cast<double>(nb));
     for (int64_t c = c0; c < c1; ++c) {
-      // CorrectedBlock, then ChanMerge, with the shared weights.
+      // CorrectedBlock, then Chan's merge, with the shared weights.
       const double sd = static_cast<double>(bd[c]);
       const double bmean = static_cast<double>(bm[c]) + sd * mw.inv_nb;
       double bvar = static_cast<double>(bd2[c]) - sd * sd * mw.inv_nb;
@@ -714,53 +705,42 @@ HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t
   }
 }
 
-// Channels-first: statistics of elements [v0, v1) of one channel, whose data is planes of S
-// contiguous elements `plane_stride` apart starting at `base`: blocks of kRunBlock elements,
-// merged with Chan's formula.
+// Channels-first statistics of elements [v0, v1) of K channels, each laid out as planes of S
+// contiguous elements `plane_stride` apart from base[j]: blocks of kRunBlock elements (the K
+// channels' blocks read together by BlockTwoPass<K>), merged with Chan's formula; every channel
+// gets the values it gets with K = 1.
+template <int K, typename T>
+HWY_INLINE void StatsChannels(const T* const* base, int64_t plane_stride, int64_t S, int64_t v0,
+                              int64_t v1, double* mean, double* m2) {
+  double count = 0;
+  for (int64_t b0 = v0; b0 < v1; b0 += kRunBlock) {
+    const int64_t b1 = b0 + kRunBlock < v1 ? b0 + kRunBlock : v1;
+    const double nb = static_cast<double>(b1 - b0);
+    double bm[K], bq[K];
+    BlockTwoPass<K>(base, plane_stride, S, b0, b1, v1, bm, bq);
+    if (count == 0) {  // what the merge gives for the first block, without its divisions
+      for (int j = 0; j < K; ++j) {
+        mean[j] = bm[j];
+        m2[j] = bq[j];
+      }
+    } else {
+      const MergeWeights mw = WeightsFor(count, nb);
+      for (int j = 0; j < K; ++j) {
+        const double delta = bm[j] - mean[j];
+        mean[j] += delta * mw.w;
+        m2[j] += bq[j] + delta * delta * mw.v;
+      }
+    }
+    count += nb;
+  }
+}
+
+// Channels-first: statistics of elements [v0, v1) of one channel starting at `basev`.
 template <typename T>
 void StatsRun(const void* basev, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
               double* mean, double* m2) {
   const T* base = static_cast<const T*>(basev);
-  double count = 0, mu = 0, q = 0;
-  for (int64_t b0 = v0; b0 < v1; b0 += kRunBlock) {
-    const int64_t b1 = b0 + kRunBlock < v1 ? b0 + kRunBlock : v1;
-    double bm, bq;
-    BlockTwoPass<1>(&base, plane_stride, S, b0, b1, v1, &bm, &bq);
-    if (count == 0) {  // what ChanMerge gives for the first block, without its divisions
-      count = static_cast<double>(b1 - b0);
-      mu = bm;
-      q = bq;
-    } else {
-      ChanMerge(count, mu, q, static_cast<double>(b1 - b0), bm, bq);
-    }
-  }
-  *mean = mu;
-  *m2 = q;
-}
-
-// K channels' statistics as StatsRun gives each: the same blocks and merges, the blocks of the K
-// channels read together (BlockTwoPass<K>).
-template <int K, typename T>
-HWY_INLINE void StatsChannels(const T* x, int64_t C, int64_t S, int64_t M, int64_t c, double* mean,
-                              double* m2) {
-  const T* base[K];
-  for (int j = 0; j < K; ++j) base[j] = x + (c + j) * S;
-  double count = 0;
-  for (int64_t b0 = 0; b0 < M; b0 += kRunBlock) {
-    const int64_t b1 = b0 + kRunBlock < M ? b0 + kRunBlock : M;
-    double bm[K], bq[K];
-    BlockTwoPass<K>(base, C * S, S, b0, b1, M, bm, bq);
-    for (int j = 0; j < K; ++j) {
-      if (b0 == 0) {
-        mean[j] = bm[j];
-        m2[j] = bq[j];
-      } else {
-        double cj = count;
-        ChanMerge(cj, mean[j], m2[j], static_cast<double>(b1 - b0), bm[j], bq[j]);
-      }
-    }
-    count += static_cast<double>(b1 - b0);
-  }
+  StatsChannels<1>(&base, plane_stride, S, v0, v1, mean, m2);
 }
 
 // Channels-first: statistics of whole channels [c0, c1) of an images x C x S tensor, as StatsRun
@@ -774,21 +754,19 @@ void StatsRuns(const void* xv, int64_t C, int64_t S, int64_t images, int64_t c0,
                double* mean, double* m2) {
   const T* x = static_cast<const T*>(xv);
   const int64_t M = images * S;
+  const auto stats = [&](auto k, int64_t c) {
+    constexpr int K = decltype(k)::value;
+    const T* base[K];
+    for (int j = 0; j < K; ++j) base[j] = x + (c + j) * S;
+    StatsChannels<K>(base, C * S, S, 0, M, mean + c, m2 + c);
+  };
   int64_t c = c0;
   if (M <= kRunBlock || S * static_cast<int64_t>(sizeof(T)) <= kShortPlaneBytes) {
-    for (; c + 4 <= c1; c += 4) StatsChannels<4>(x, C, S, M, c, mean + c, m2 + c);
-    switch (c1 - c) {
-      case 3:
-        StatsChannels<3>(x, C, S, M, c, mean + c, m2 + c);
-        return;
-      case 2:
-        StatsChannels<2>(x, C, S, M, c, mean + c, m2 + c);
-        return;
-      default:
-        break;
-    }
+    for (; c + 4 <= c1; c += 4) stats(std::integral_constant<int, 4>(), c);
+    if (c1 - c == 3) return stats(std::integral_constant<int, 3>(), c);
+    if (c1 - c == 2) return stats(std::integral_constant<int, 2>(), c);
   }
-  for (; c < c1; ++c) StatsRun<T>(x + c * S, C * S, S, 0, M, mean + c, m2 + c);
+  for (; c < c1; ++c) stats(std::integral_constant<int, 1>(), c);
 }
 
 // ------------------------------------------------------------------------------------------------
