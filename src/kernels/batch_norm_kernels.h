@@ -27,6 +27,26 @@ struct Geometry {
   int64_t elements() const { return n * c * s; }
 };
 
+// A step of the op on a range of channels [c0, c1), run by the thread that owns those channels in
+// a training pass: in the task that reduces them where the pass splits by channels (channels-last
+// groups, channels-first tasks), else once for all channels on the calling thread. Every channel
+// is covered once. The op's per-channel inputs and outputs (inverse std before, output statistics
+// after) then stay in that thread's cache: on batch-1 1x7x7x2048 float the calling thread reading
+// the workers' 16 KB of statistics took 10 of a 30 us training forward.
+struct ChannelStep {
+  void (*fn)(void* context, int64_t c0, int64_t c1) = nullptr;
+  void* context = nullptr;
+  void operator()(int64_t c0, int64_t c1) const {
+    if (fn != nullptr) fn(context, c0, c1);
+  }
+};
+
+// A ChannelStep calling f(c0, c1); f must outlive it.
+template <typename F>
+ChannelStep StepFor(F& f) {
+  return {[](void* context, int64_t c0, int64_t c1) { (*static_cast<F*>(context))(c0, c1); }, &f};
+}
+
 // Per-channel statistics of x: mean and biased variance (M2 / count), in double.
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean, double* variance);
 
@@ -35,17 +55,21 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
 // statistics, while still in cache (one DRAM read instead of two); larger ones up to 32 MB one at
 // a time by all threads, each rewriting the pieces it reduced. scale/offset and the scratch
 // arrays k_mean/k_a/k_b (C each, filled here) are of the accumulation type, as for Apply.
+// `finish` runs on every channel range once its mean and variance are final.
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
-                     void* k_a, void* k_b, void* y);
+                     void* k_a, void* k_b, void* y, ChannelStep finish = {});
 
 // Training backward with saved statistics: sums, then dx = k1·dy + k2·(x - m) + k0 where
 // k1 = scale·inv (given), k0 = -k1·Σdy/n, k2 = -k1·inv²·Σdy(x - m)/n (filled here). Fused per
 // channel for channels-first tensors, like ForwardTraining. Both give the results of the separate
-// passes (ComputeStats and Apply, BackwardReduce and BackwardApply) bit for bit.
+// passes (ComputeStats and Apply, BackwardReduce and BackwardApply) bit for bit. `prepare` runs
+// on every channel range before k_mean, inv and k1 of those channels are read (it may fill them);
+// `finish` once their sums are final.
 void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const void* x,
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
-                      double* sum_dy, double* sum_dy_xc, void* dx);
+                      double* sum_dy, double* sum_dy_xc, void* dx, ChannelStep prepare = {},
+                      ChannelStep finish = {});
 
 // y = (x - mean[c]) * a[c] + b[c]. `mean`, `a`, `b` are float arrays for 16-bit and float x, double
 // arrays for double x.

@@ -154,6 +154,30 @@ void TrainingOutputsT(int64_t n, const double* mean, const double* var, const U*
   });
 }
 
+// Chan's merge, lane by lane, in the order and with the operations of the scalar loop
+// delta = s - m; m += delta·w0; M2 += s2 + delta²·w1 (m and M2 from 0), then var = M2·inv_count.
+bool MergeChannelPartialsT(int64_t n, int64_t parts, const double* partial, size_t stride,
+                           int64_t m2_offset, const double* w, double inv_count, double* mean,
+                           double* variance) {
+  const DD d;
+  const auto vinv = hn::Set(d, inv_count);
+  auto nan = hn::Lt(hn::Zero(d), hn::Zero(d));  // all false
+  ForEachVector(d, n, [&](int64_t c, bool tail) {
+    auto m = hn::Zero(d), m2 = hn::Zero(d);
+    for (int64_t t = 0; t < parts; ++t) {
+      const double* s = partial + stride * static_cast<size_t>(t);
+      const auto delta = hn::Sub(LoadLanes(d, s, c, n, tail), m);
+      m = hn::Add(m, hn::Mul(delta, hn::Set(d, w[2 * t])));
+      const auto dd = hn::Mul(hn::Mul(delta, delta), hn::Set(d, w[2 * t + 1]));
+      m2 = hn::Add(m2, hn::Add(LoadLanes(d, s + m2_offset, c, n, tail), dd));
+    }
+    nan = hn::Or(nan, hn::IsNaN(m));
+    StoreLanes(d, m, mean, c, n, tail);
+    StoreLanes(d, hn::Mul(m2, vinv), variance, c, n, tail);
+  });
+  return !hn::AllFalse(d, nan);
+}
+
 template <typename U>
 void BackwardCoefficientsT(int64_t c0, int64_t c1, double n, const double* sum_dy,
                            const double* sum_dy_xc, const double* inv, const U* k1, U* k2, U* k0) {
@@ -185,6 +209,12 @@ void BackwardCoefficientsImpl(bool wide, int64_t c0, int64_t c1, double n, const
     BackwardCoefficientsT(c0, c1, n, sum_dy, sum_dy_xc, inv, static_cast<const float*>(k1),
                           static_cast<float*>(k2), static_cast<float*>(k0));
   }
+}
+
+bool MergeChannelPartialsImpl(int64_t n, int64_t parts, const double* partial, size_t stride,
+                              int64_t m2_offset, const double* w, double inv_count, double* mean,
+                              double* variance) {
+  return MergeChannelPartialsT(n, parts, partial, stride, m2_offset, w, inv_count, mean, variance);
 }
 
 void ScaleOverStdImpl(bool wide, int64_t n, const double* var, const void* scale, double eps,
@@ -253,12 +283,20 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace fbn::kernels {
 
+HWY_EXPORT(MergeChannelPartialsImpl);
 HWY_EXPORT(ScaleOverStdImpl);
 HWY_EXPORT(ScaleOverStdOfUImpl);
 HWY_EXPORT(InverseStdImpl);
 HWY_EXPORT(BackwardCoefficientsImpl);
 HWY_EXPORT(GradientOutputsImpl);
 HWY_EXPORT(TrainingOutputsImpl);
+
+bool MergeChannelPartials(int64_t n, int64_t parts, const double* partial, size_t stride,
+                          int64_t m2_offset, const double* w, double inv_count, double* mean,
+                          double* variance) {
+  return HWY_DYNAMIC_DISPATCH(MergeChannelPartialsImpl)(n, parts, partial, stride, m2_offset, w,
+                                                        inv_count, mean, variance);
+}
 
 void ScaleOverStd(bool wide, int64_t n, const double* var, const void* scale, double eps, void* a) {
   HWY_DYNAMIC_DISPATCH(ScaleOverStdImpl)(wide, n, var, scale, eps, a);

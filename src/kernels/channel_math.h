@@ -11,6 +11,14 @@
 
 namespace fbn::kernels {
 
+// Chan's merge of `parts` partials of n channels, in part order: part t's means at
+// partial[t·stride + c], its M2 at partial[t·stride + m2_offset + c], its weights w[2t] = n_t / N_t
+// and w[2t + 1] = N_(t-1)·n_t / N_t (N_t: the running count). Writes mean[c] and variance[c] =
+// M2·inv_count; returns whether any mean is NaN.
+bool MergeChannelPartials(int64_t n, int64_t parts, const double* partial, size_t stride,
+                          int64_t m2_offset, const double* w, double inv_count, double* mean,
+                          double* variance);
+
 // a[c] = U(scale[c] / sqrt(var[c] + eps)); var in double, scale and a of type U.
 void ScaleOverStd(bool wide, int64_t n, const double* var, const void* scale, double eps, void* a);
 

@@ -120,16 +120,25 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
   U* k0 = k2 + uc;
   const double eps = static_cast<double>(attrs.epsilon);
   const bool wide = std::is_same_v<U, double>;
-  kernels::InverseStd(wide, g.c, var, scale, eps, inv, k1);
-  std::memcpy(k_mean, mean, uc * sizeof(U));
+  // In training run by the kernel in the tasks that own the channels (see kernels::ChannelStep).
+  auto prepare = [&](int64_t c0, int64_t c1) {
+    kernels::InverseStd(wide, c1 - c0, var + c0, scale + c0, eps, inv + c0, k1 + c0);
+    std::memcpy(k_mean + c0, mean + c0, static_cast<size_t>(c1 - c0) * sizeof(U));
+  };
+  auto outputs = [&](int64_t c0, int64_t c1) {
+    kernels::GradientOutputs(wide, c1 - c0, sum_dy + c0, sum_dy_xc + c0, inv + c0, offset_bp + c0,
+                             scale_bp + c0);
+  };
   if (attrs.is_training) {
     kernels::BackwardTraining(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, inv, k1, k2, k0,
-                              sum_dy, sum_dy_xc, out.x_backprop.data);
+                              sum_dy, sum_dy_xc, out.x_backprop.data, kernels::StepFor(prepare),
+                              kernels::StepFor(outputs));
   } else {
+    prepare(0, g.c);
     kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
                             out.x_backprop.data, sum_dy, sum_dy_xc);
+    outputs(0, g.c);
   }
-  kernels::GradientOutputs(wide, g.c, sum_dy, sum_dy_xc, inv, offset_bp, scale_bp);
 }
 
 }  // namespace
