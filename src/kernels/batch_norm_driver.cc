@@ -523,9 +523,11 @@ namespace {
 
 // Shared by BackwardReduce and FrozenBackward: k1 == nullptr means reduce only.
 // The frozen backward writes dx in the same sweep, streamed when `stream`.
+// `prepare` and `finish` as for FrozenBackward: in the channel-group tasks when the rows are one
+// range (the tasks' sums are then final), else on the calling thread.
 void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x, const void* mean,
                 const void* k1, void* dx, int threads, bool stream, double* sum_dy,
-                double* sum_dy_xc) {
+                double* sum_dy_xc, ChannelStep prepare = {}, ChannelStep finish = {}) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
   const int64_t C = g.c;
@@ -535,14 +537,26 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
     const bool prefetch = PrefetchStats(g, es);
+    const bool in_tasks = p.row_tasks == 1;
+    if (!in_tasks) prepare(0, C);
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
       const int64_t rt = t / p.groups, c0 = (t % p.groups) * p.width;
+      const int64_t c1 = std::min(C, c0 + p.width);
       double* s = partial + slot * static_cast<size_t>(rt);
       const int64_t r0 = rt * p.rows_per_task;
-      e.reduce_rows(dy, x, C, c0, std::min(C, c0 + p.width), r0,
-                    std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1, dx, s + 2 * C, stream,
-                    prefetch);
+      if (in_tasks) prepare(c0, c1);
+      e.reduce_rows(dy, x, C, c0, c1, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
+                    dx, s + 2 * C, stream, prefetch);
+      if (in_tasks) {
+        // The merge below for one row range (0 + s: a -0 sum becomes +0 as there).
+        for (int64_t c = c0; c < c1; ++c) {
+          sum_dy[c] = 0.0 + s[c];
+          sum_dy_xc[c] = 0.0 + s[C + c];
+        }
+        finish(c0, c1);
+      }
     });
+    if (in_tasks) return;
     // Row ranges outer, channels inner (vectorizable; same order per channel).
     std::fill(sum_dy, sum_dy + C, 0.0);
     std::fill(sum_dy_xc, sum_dy_xc + C, 0.0);
@@ -553,8 +567,10 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
         sum_dy_xc[c] += s[C + c];
       }
     }
+    finish(0, C);
     return;
   }
+  prepare(0, C);
   const int64_t M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   double* partial = Scratch(2 * static_cast<size_t>(C * p.pieces));
@@ -567,6 +583,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   for (int64_t c = 0; c < C; ++c) {
     MergePieceSums(p, partial + 2 * static_cast<size_t>(c * p.pieces), &sum_dy[c], &sum_dy_xc[c]);
   }
+  finish(0, C);
 }
 
 }  // namespace
@@ -580,13 +597,14 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
 }
 
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
-                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc) {
+                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
+                    ChannelStep prepare, ChannelStep finish) {
   const size_t es = ElemBytes(dtype);
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
   ReduceImpl(dtype, g, dy, x, mean, k1, dx, threads,
              StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe), sum_dy,
-             sum_dy_xc);
+             sum_dy_xc, prepare, finish);
 }
 
 namespace {

@@ -85,8 +85,10 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx);
 
 // Frozen-statistics backward in one sweep: dx = k1[c]·dy while reducing Σdy and Σdy·(x - mean[c]).
+// `prepare` and `finish` as for BackwardTraining.
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
-                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc);
+                    const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
+                    ChannelStep prepare = {}, ChannelStep finish = {});
 
 }  // namespace fbn::kernels
 

@@ -120,7 +120,7 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
   U* k0 = k2 + uc;
   const double eps = static_cast<double>(attrs.epsilon);
   const bool wide = std::is_same_v<U, double>;
-  // In training run by the kernel in the tasks that own the channels (see kernels::ChannelStep).
+  // Run by the kernel in the tasks that own the channels where it can (see kernels::ChannelStep).
   auto prepare = [&](int64_t c0, int64_t c1) {
     kernels::InverseStd(wide, c1 - c0, var + c0, scale + c0, eps, inv + c0, k1 + c0);
     std::memcpy(k_mean + c0, mean + c0, static_cast<size_t>(c1 - c0) * sizeof(U));
@@ -134,10 +134,9 @@ void RunGrad(const FusedBatchNormGradInputs& in, const FusedBatchNormGradAttrs& 
                               sum_dy, sum_dy_xc, out.x_backprop.data, kernels::StepFor(prepare),
                               kernels::StepFor(outputs));
   } else {
-    prepare(0, g.c);
     kernels::FrozenBackward(in.x.dtype, g, in.y_backprop.data, in.x.data, k_mean, k1,
-                            out.x_backprop.data, sum_dy, sum_dy_xc);
-    outputs(0, g.c);
+                            out.x_backprop.data, sum_dy, sum_dy_xc, kernels::StepFor(prepare),
+                            kernels::StepFor(outputs));
   }
 }
 
