@@ -857,11 +857,11 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
         FixNonFiniteMean(dtype, g, x, c, &mean[c]);
       }
       ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-      finish(c0, c1);
       ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
         e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
       });
     }
+    finish(t0, t1);  // per task: chunks can be single channels
   });
 }
 
@@ -918,16 +918,16 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const int64_t chunk = FusedChunk(g, p.group, 2.0 * static_cast<double>(es));
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
+    prepare(t0, t1);  // per task: chunks can be single channels
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
       const int64_t c1 = std::min(t1, c0 + chunk);
-      prepare(c0, c1);
       e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-      finish(c0, c1);
       ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
         e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
       });
     }
+    finish(t0, t1);
   });
 }
 
