@@ -397,9 +397,10 @@ inline void FixNonFiniteMean(DataType dtype, const Geometry& g, const void* x, i
 // Chan-merges the row-range partials (slots of `slot` doubles: mean, M2) of channels [c0, c1) in
 // row-range order into mean and variance (M2 / rows), vectorized over channels (wide batch-1
 // layers have thousands: one at a time, the merge of 1x7x7x2048 took 3 us of a 27 us call).
-// Returns whether any mean is NaN.
-bool MergeRowPartials(const RowPartition& p, int64_t rows, int64_t C, const double* partial,
-                      size_t slot, int64_t c0, int64_t c1, double* mean, double* variance) {
+// NaN means (an infinite input) are then recomputed plainly (FixNonFiniteMean).
+void MergeRowPartials(DataType dtype, const Geometry& g, const void* x, const RowPartition& p,
+                      int64_t rows, int64_t C, const double* partial, size_t slot, int64_t c0,
+                      int64_t c1, double* mean, double* variance) {
   // Every channel has the same per-task counts: Chan's weights once per row range.
   double w[2 * kMaxReduceTasks];
   ChanWeights(
@@ -409,8 +410,26 @@ bool MergeRowPartials(const RowPartition& p, int64_t rows, int64_t C, const doub
         return static_cast<double>(std::min(rows, r0 + p.rows_per_task) - r0);
       },
       w);
-  return MergeChannelPartials(c1 - c0, p.row_tasks, partial + c0, slot, C, w,
-                              1.0 / static_cast<double>(rows), mean + c0, variance + c0);
+  if (MergeChannelPartials(c1 - c0, p.row_tasks, partial + c0, slot, C, w,
+                           1.0 / static_cast<double>(rows), mean + c0, variance + c0)) {
+    for (int64_t c = c0; c < c1; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
+  }
+}
+
+// Sums the row-range partial sums (slots of `slot` doubles: Σdy, Σdy·(x - m)) of channels
+// [c0, c1) in row-range order. Row ranges outer, channels inner: vectorizable, and the same order
+// per channel.
+void MergeRowSums(const RowPartition& p, int64_t C, const double* partial, size_t slot, int64_t c0,
+                  int64_t c1, double* sum_dy, double* sum_dy_xc) {
+  std::fill(sum_dy + c0, sum_dy + c1, 0.0);
+  std::fill(sum_dy_xc + c0, sum_dy_xc + c1, 0.0);
+  for (int64_t t = 0; t < p.row_tasks; ++t) {
+    const double* s = partial + slot * static_cast<size_t>(t);
+    for (int64_t c = c0; c < c1; ++c) {
+      sum_dy[c] += s[c];
+      sum_dy_xc[c] += s[C + c];
+    }
+  }
 }
 
 }  // namespace
@@ -435,9 +454,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
       e.stats_rows(x, C, c0, std::min(C, c0 + p.width), r0, std::min(rows, r0 + p.rows_per_task), s,
                    s + C, s + 2 * C, prefetch);
     });
-    if (MergeRowPartials(p, rows, C, partial, slot, 0, C, mean, variance)) {
-      for (int64_t c = 0; c < C; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-    }
+    MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, 0, C, mean, variance);
     return;
   }
   const int64_t M = g.per_channel();
@@ -548,25 +565,12 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
       e.reduce_rows(dy, x, C, c0, c1, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
                     dx, s + 2 * C, stream, prefetch);
       if (in_tasks) {
-        // The merge below for one row range (0 + s: a -0 sum becomes +0 as there).
-        for (int64_t c = c0; c < c1; ++c) {
-          sum_dy[c] = 0.0 + s[c];
-          sum_dy_xc[c] = 0.0 + s[C + c];
-        }
+        MergeRowSums(p, C, partial, slot, c0, c1, sum_dy, sum_dy_xc);
         finish(c0, c1);
       }
     });
     if (in_tasks) return;
-    // Row ranges outer, channels inner (vectorizable; same order per channel).
-    std::fill(sum_dy, sum_dy + C, 0.0);
-    std::fill(sum_dy_xc, sum_dy_xc + C, 0.0);
-    for (int64_t t = 0; t < p.row_tasks; ++t) {
-      const double* s = partial + slot * static_cast<size_t>(t);
-      for (int64_t c = 0; c < C; ++c) {
-        sum_dy[c] += s[c];
-        sum_dy_xc[c] += s[C + c];
-      }
-    }
+    MergeRowSums(p, C, partial, slot, 0, C, sum_dy, sum_dy_xc);
     finish(0, C);
     return;
   }
@@ -801,9 +805,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   threading::ParallelFor(p.groups, threads, [&](int64_t t) {
     const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
     e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, false);
-    if (MergeRowPartials(p, rows, C, partial, slot, c0, c1, mean, variance)) {
-      for (int64_t c = c0; c < c1; ++c) FixNonFiniteMean(dtype, g, x, c, &mean[c]);
-    }
+    MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, c0, c1, mean, variance);
     ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     finish(c0, c1);
     e.apply_rows(x, C, c0, c1, 0, rows, k_mean, k_a, k_b, y, stream);
