@@ -1432,6 +1432,51 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
 
 // ------------------------------------------------------------------------------------------------
 
+// Transposes of planes with a short side: the short loop has a constant trip count, so the
+// compiler vectorizes the long one with shuffles (1x4096x2x2 float inference 26 -> 11 us; with
+// both trip counts variable the copies took 0.5 ns per element).
+template <typename U, int kShort>
+void TransposeShort(const U* HWY_RESTRICT src, U* HWY_RESTRICT dst, int64_t rows, int64_t cols) {
+  if (cols == kShort) {  // rows x kShort -> kShort x rows
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int j = 0; j < kShort; ++j) dst[j * rows + i] = src[i * kShort + j];
+    }
+  } else {  // kShort x cols -> cols x kShort
+    for (int64_t j = 0; j < cols; ++j) {
+      for (int i = 0; i < kShort; ++i) dst[j * kShort + i] = src[i * cols + j];
+    }
+  }
+}
+
+template <typename U>
+void TransposePlane(const U* HWY_RESTRICT src, U* HWY_RESTRICT dst, int64_t rows, int64_t cols) {
+  switch (std::min(rows, cols)) {
+    case 2:
+      return TransposeShort<U, 2>(src, dst, rows, cols);
+    case 3:
+      return TransposeShort<U, 3>(src, dst, rows, cols);
+    case 4:
+      return TransposeShort<U, 4>(src, dst, rows, cols);
+    default:
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int64_t i = 0; i < rows; ++i) dst[j * rows + i] = src[i * cols + j];
+      }
+  }
+}
+
+// Per image, dst[j·rows + i] = src[i·cols + j] (KernelEntry::transpose).
+template <typename T>
+void TransposeImages(const void* srcv, void* dstv, int64_t images, int64_t rows, int64_t cols) {
+  using U = std::conditional_t<sizeof(T) == 2, uint16_t,
+                               std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+  static_assert(sizeof(U) == sizeof(T));
+  const U* src = static_cast<const U*>(srcv);
+  U* dst = static_cast<U*>(dstv);
+  for (int64_t n = 0; n < images; ++n, src += rows * cols, dst += rows * cols) {
+    TransposePlane(src, dst, rows, cols);
+  }
+}
+
 template <typename T>
 void FillEntry(KernelEntry* e) {
   e->stats_rows = &StatsRows<T>;
@@ -1452,6 +1497,7 @@ void FillEntry(KernelEntry* e) {
   e->reduce_runs = &ReduceRuns<T>;
   e->backward_apply_rows = &BackwardApplyRows<T>;
   e->backward_apply_flat = &BackwardApplyFlat<T>;
+  e->transpose = &TransposeImages<T>;
   const size_t unit = hn::Lanes(AccTag<T>()) * sizeof(T) * (kStreamsSingles<T> ? 1 : 2);
   e->stream_unit_bytes = HWY_TARGET == HWY_SCALAR ? 0 : static_cast<int64_t>(unit);
 }

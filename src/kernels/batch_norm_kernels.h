@@ -63,7 +63,9 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
 // Training backward with saved statistics: sums, then dx = k1·dy + k2·(x - m) + k0 where
 // k1 = scale·inv (given), k0 = -k1·Σdy/n, k2 = -k1·inv²·Σdy(x - m)/n (filled here). Fused per
 // channel for channels-first tensors, like ForwardTraining. Both give the results of the separate
-// passes (ComputeStats and Apply, BackwardReduce and BackwardApply) bit for bit. `prepare` runs
+// passes (ComputeStats and Apply, BackwardReduce and BackwardApply) bit for bit, except on
+// channels-last tensors of at most 256 rows and 128 or more channels, whose fused reductions take
+// channel groups over all rows (the separate ones row ranges: equal to rounding). `prepare` runs
 // on every channel range before k_mean, inv and k1 of those channels are read (it may fill them);
 // `finish` once their sums are final.
 void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const void* x,

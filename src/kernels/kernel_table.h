@@ -45,6 +45,9 @@ struct KernelEntry {
   void (*backward_apply_flat)(const void* dy, const void* x, int64_t C, int64_t S, int64_t f0,
                               int64_t f1, const void* mean, const void* k1, const void* k2,
                               const void* k0, void* dx, bool stream);
+  // Per image, dst[j·rows + i] = src[i·cols + j]: the (rows x cols) planes of `images` images
+  // transposed (channels-first tensors of small planes run as channels-last copies).
+  void (*transpose)(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols);
   // Bytes of one streaming store of the channels-first writers, which stream only from aligned
   // starts (0 where they never stream).
   int64_t stream_unit_bytes = 0;

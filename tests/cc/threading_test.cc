@@ -43,6 +43,9 @@ const Workload kWorkloads[] = {
     {"nhwc_channel_groups", TensorFormat::kNHWC, {1, 7, 7, 2051}},
     // Few rows (at most 256) of a small tensor: channel groups over all rows too.
     {"nhwc_short_rows", TensorFormat::kNHWC, {1, 14, 14, 1000}},
+    // Channels-first small planes: channels-last copies, and 1x1 planes as channels-last memory.
+    {"nchw_2x2_planes", TensorFormat::kNCHW, {64, 512, 2, 2}},
+    {"nchw_1x1_planes", TensorFormat::kNCHW, {256, 2048, 1, 1}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
