@@ -126,40 +126,49 @@ const void* Offset(const void* p, int64_t elements, size_t elem_bytes) {
   return static_cast<const char*>(p) + static_cast<size_t>(elements) * elem_bytes;
 }
 
-// Channels-first tensors whose planes are shorter than this many elements (2x2, 1x1) run as
-// channels-last: the channels-first kernels take such a plane lane by lane, with a dependency
-// chain and a division per channel, while the channels-last ones hold a vector of channels per
-// row. 1x64x2x2 bfloat16 training forward 2.1 -> 1.0 us, 1x1024x3x3 float 36 -> 15 us; 1x1 planes
-// (after global pooling) need no copy: 64x2048x1x1 float inference gradient 920 -> 20 us.
-constexpr int64_t kSmallPlaneElements = 16;
-// Above this size per tensor, the copies to and from channels-last (on the calling thread) cost
-// more than the scalar planes: 3x3 planes lost from 600 KB (8x2048x3x3 float inference 0.48x).
-// Planes of up to kShortPlaneCopy elements have vectorized copies and gain up to 2 MB
-// (128x1024x2x2 float training forward 1.96x). 1x1 planes need no copy.
-constexpr double kSmallPlaneCopyBytes = 64.0 * 1024;
-constexpr int64_t kShortPlaneCopy = 4;
-constexpr double kShortPlaneCopyBytes = 2.0 * 1024 * 1024;
+// A tensor whose inner dimension is shorter than a vector runs in the other layout: the
+// channels-first kernels take planes of this many elements or fewer (2x2, 3x3) lane by lane, with
+// a dependency chain and a division per channel, and the channels-last kernels rows of that few
+// channels (image inputs: 3) element by element, while the other layout's kernels fill vectors.
+// 1x64x2x2 bfloat16 training forward 2.1 -> 1.0 us, 1x1024x3x3 float 36 -> 15 us, 1x64x64x3 float
+// NHWC 46 -> 7 us. A dimension of 1 needs no copy (N x C x 1 is N x 1 x C): 64x2048x1x1 float
+// inference gradient 920 -> 20 us, 8x128x128x1 NHWC training forward 815 -> 31 us.
+constexpr int64_t kShortInner = 16;
+// Above this size per tensor, the copies to and from the other layout (on the calling thread) cost
+// more than they save: 3x3 planes lost from 600 KB (8x2048x3x3 float inference 0.48x). Inner
+// dimensions of up to kShortCopyInner elements have vectorized copies and gain up to 2 MB
+// (128x1024x2x2 float training forward 1.96x).
+constexpr double kSwapCopyBytes = 64.0 * 1024;
+constexpr int64_t kShortCopyInner = 4;
+constexpr double kShortSwapCopyBytes = 2.0 * 1024 * 1024;
 
-// How a channels-first geometry is run: as it is, as the channels-last geometry of the same memory
-// (1x1 planes: N x C x 1 is N x 1 x C), or as channels-last copies of its tensors.
-enum class SmallPlanes { kNo, kSameMemory, kCopy };
+// How a call runs: in its own layout, in the other layout on the same memory, or on copies of its
+// tensors in the other layout.
+enum class Swap { kNo, kSameMemory, kCopy };
 
-SmallPlanes SmallPlanesOf(const Geometry& g, size_t elem_bytes) {
-  if (g.channels_last || g.s >= kSmallPlaneElements || g.c == 1) return SmallPlanes::kNo;
-  if (g.s == 1) return SmallPlanes::kSameMemory;
+// `elementwise`: a single sweep (Apply, BackwardApply). Copies of inner dimensions over
+// kShortCopyInner cost more than they save there (1x1024x3x3 float inference 0.70x, 2x32x32x8
+// NHWC 0.44x) and on channels-last rows (2x32x32x8 float gradients 0.57-0.80x).
+Swap SwapOf(const Geometry& g, size_t elem_bytes, bool elementwise = false) {
+  const int64_t inner = g.channels_last ? g.c : g.s, outer = g.channels_last ? g.s : g.c;
+  // The other layout helps only where its inner dimension fills vectors (and a swapped call must
+  // not swap back).
+  if (inner >= kShortInner || outer < kShortInner) return Swap::kNo;
+  if (inner == 1) return Swap::kSameMemory;
+  if (inner > kShortCopyInner && (elementwise || g.channels_last)) return Swap::kNo;
   const double bytes = static_cast<double>(g.elements()) * static_cast<double>(elem_bytes);
-  const double cap = g.s <= kShortPlaneCopy ? kShortPlaneCopyBytes : kSmallPlaneCopyBytes;
-  return bytes <= cap ? SmallPlanes::kCopy : SmallPlanes::kNo;
+  const double cap = inner <= kShortCopyInner ? kShortSwapCopyBytes : kSwapCopyBytes;
+  return bytes <= cap ? Swap::kCopy : Swap::kNo;
 }
 
-Geometry ChannelsLastOf(Geometry g) {
-  g.channels_last = true;
+Geometry Swapped(Geometry g) {
+  g.channels_last = !g.channels_last;
   return g;
 }
 
-// Channels-last copies of a small-plane call's tensors, in the calling thread's scratch: slot 0..2
-// (inputs, then the output), each on its own cache lines. The kernels called with them use
-// Scratch(), a separate buffer.
+// Copies of a swapped call's tensors, in the calling thread's scratch: slots 0..2 (inputs, then
+// the output), each on its own cache lines. The kernels called with them use Scratch(), a
+// separate buffer.
 void* CopySlot(const Geometry& g, size_t elem_bytes, int slot) {
   thread_local std::vector<double> buffer;
   constexpr size_t kLine = kCacheLineBytes;
@@ -172,24 +181,28 @@ void* CopySlot(const Geometry& g, size_t elem_bytes, int slot) {
   return reinterpret_cast<void*>(aligned + static_cast<size_t>(slot) * stride);
 }
 
-// The tensor `src` of a small-plane call as channels-last: itself for kSameMemory, else a copy.
-const void* ToChannelsLast(SmallPlanes how, DataType dtype, const Geometry& g, const void* src,
-                           int slot) {
-  if (how == SmallPlanes::kSameMemory) return src;
+// Per image, a (rows x cols) matrix of g's layout transposed: C x S for channels-first.
+void TransposeFrom(DataType dtype, const Geometry& g, const void* src, void* dst) {
+  const int64_t rows = g.channels_last ? g.s : g.c, cols = g.channels_last ? g.c : g.s;
+  Entry(dtype).transpose(src, dst, g.n, rows, cols);
+}
+
+// The tensor `src` of g's layout in the other one: itself for kSameMemory, else a copy.
+const void* ToSwapped(Swap how, DataType dtype, const Geometry& g, const void* src, int slot) {
+  if (how == Swap::kSameMemory) return src;
   void* dst = CopySlot(g, ElemBytes(dtype), slot);
-  Entry(dtype).transpose(src, dst, g.n, g.c, g.s);
+  TransposeFrom(dtype, g, src, dst);
   return dst;
 }
 
-// Where a small-plane call writes its output: `dst` itself for kSameMemory, else a copy slot that
-// FromChannelsLast moves to `dst`.
-void* ChannelsLastOutput(SmallPlanes how, const Geometry& g, size_t elem_bytes, void* dst) {
-  return how == SmallPlanes::kSameMemory ? dst : CopySlot(g, elem_bytes, 2);
+// Where a swapped call writes its output: `dst` itself for kSameMemory, else a copy slot that
+// FromSwapped moves to `dst`.
+void* SwappedOutput(Swap how, const Geometry& g, size_t elem_bytes, void* dst) {
+  return how == Swap::kSameMemory ? dst : CopySlot(g, elem_bytes, 2);
 }
 
-void FromChannelsLast(SmallPlanes how, DataType dtype, const Geometry& g, const void* src,
-                      void* dst) {
-  if (how == SmallPlanes::kCopy) Entry(dtype).transpose(src, dst, g.n, g.s, g.c);
+void FromSwapped(Swap how, DataType dtype, const Geometry& g, const void* src, void* dst) {
+  if (how == Swap::kCopy) TransposeFrom(dtype, Swapped(g), src, dst);
 }
 
 // The least output for which StreamStores probes the cache; smaller outputs that fit the caches
@@ -545,9 +558,8 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
                   double* variance) {
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    return ComputeStats(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, x, 0), mean,
-                        variance);
+  if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
+    return ComputeStats(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), mean, variance);
   }
   InputProbe probe(g, es, x);
   ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
@@ -600,10 +612,10 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
            const void* b, void* y) {
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    void* out = ChannelsLastOutput(how, g, es, y);
-    Apply(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, x, 0), mean, a, b, out);
-    return FromChannelsLast(how, dtype, g, out, y);
+  if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
+    void* out = SwappedOutput(how, g, es, y);
+    Apply(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), mean, a, b, out);
+    return FromSwapped(how, dtype, g, out, y);
   }
   InputProbe probe(g, es, x);
   const int threads = CallThreads(g, es, 2, probe);
@@ -670,9 +682,9 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
 void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    return BackwardReduce(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, dy, 0),
-                          ToChannelsLast(how, dtype, g, x, 1), mean, sum_dy, sum_dy_xc);
+  if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
+    return BackwardReduce(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
+                          ToSwapped(how, dtype, g, x, 1), mean, sum_dy, sum_dy_xc);
   }
   InputProbe probe(g, es, dy);
   ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false, sum_dy,
@@ -683,12 +695,12 @@ void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const voi
                     const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
                     ChannelStep prepare, ChannelStep finish) {
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    void* out = ChannelsLastOutput(how, g, es, dx);
-    FrozenBackward(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, dy, 0),
-                   ToChannelsLast(how, dtype, g, x, 1), mean, k1, out, sum_dy, sum_dy_xc, prepare,
+  if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
+    void* out = SwappedOutput(how, g, es, dx);
+    FrozenBackward(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
+                   ToSwapped(how, dtype, g, x, 1), mean, k1, out, sum_dy, sum_dy_xc, prepare,
                    finish);
-    return FromChannelsLast(how, dtype, g, out, dx);
+    return FromSwapped(how, dtype, g, out, dx);
   }
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
@@ -722,11 +734,11 @@ void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const 
 void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    void* out = ChannelsLastOutput(how, g, es, dx);
-    BackwardApply(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, dy, 0),
-                  ToChannelsLast(how, dtype, g, x, 1), mean, k1, k2, k0, out);
-    return FromChannelsLast(how, dtype, g, out, dx);
+  if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
+    void* out = SwappedOutput(how, g, es, dx);
+    BackwardApply(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
+                  ToSwapped(how, dtype, g, x, 1), mean, k1, k2, k0, out);
+    return FromSwapped(how, dtype, g, out, dx);
   }
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
@@ -911,11 +923,11 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
                      void* k_a, void* k_b, void* y, ChannelStep finish) {
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    void* out = ChannelsLastOutput(how, g, es, y);
-    ForwardTraining(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, x, 0), scale, offset,
-                    eps, mean, variance, k_mean, k_a, k_b, out, finish);
-    return FromChannelsLast(how, dtype, g, out, y);
+  if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
+    void* out = SwappedOutput(how, g, es, y);
+    ForwardTraining(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), scale, offset, eps, mean,
+                    variance, k_mean, k_a, k_b, out, finish);
+    return FromSwapped(how, dtype, g, out, y);
   }
   if (FuseChannelGroups(g, static_cast<double>(es))) {
     ForwardTrainingGroups(dtype, g, x, scale, offset, eps, mean, variance, k_mean, k_a, k_b, y,
@@ -971,12 +983,12 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
                       ChannelStep finish) {
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
-  if (const SmallPlanes how = SmallPlanesOf(g, es); how != SmallPlanes::kNo) {
-    void* out = ChannelsLastOutput(how, g, es, dx);
-    BackwardTraining(dtype, ChannelsLastOf(g), ToChannelsLast(how, dtype, g, dy, 0),
-                     ToChannelsLast(how, dtype, g, x, 1), k_mean, inv, k1, k2, k0, sum_dy,
-                     sum_dy_xc, out, prepare, finish);
-    return FromChannelsLast(how, dtype, g, out, dx);
+  if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
+    void* out = SwappedOutput(how, g, es, dx);
+    BackwardTraining(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
+                     ToSwapped(how, dtype, g, x, 1), k_mean, inv, k1, k2, k0, sum_dy, sum_dy_xc,
+                     out, prepare, finish);
+    return FromSwapped(how, dtype, g, out, dx);
   }
   const double n = static_cast<double>(g.per_channel());
   if (FuseChannelGroups(g, 2.0 * static_cast<double>(es))) {

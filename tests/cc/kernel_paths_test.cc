@@ -46,6 +46,9 @@ const PathCase kCases[] = {
     {"nchw_3x3_planes", {false, 2, 19, 9}},
     {"nchw_1x1_planes", {false, 9, 37, 1}},
     {"nchw_many_2x2_planes", {false, 300, 64, 4}},
+    // Channels-last rows of 3 channels run as channels-first copies, of 1 as the same memory.
+    {"nhwc_3_channels", {true, 4, 3, 500}},
+    {"nhwc_1_channel", {true, 4, 1, 500}},
 };
 
 class KernelPathsTest : public ::testing::TestWithParam<std::tuple<DataType, int>> {};
@@ -103,61 +106,66 @@ HostTensor TransposeImages(const HostTensor& t, int64_t images, int64_t rows, in
   return out;
 }
 
-// Channels-first tensors with small planes run the channels-last kernels on transposed copies
-// (or, for 1x1 planes, on the same memory): every output must be the channels-last one
-// transposed, bit for bit. A wrong copy or stride shows here.
-class SmallPlanesTest : public ::testing::TestWithParam<std::tuple<DataType, int>> {};
+// Tensors whose inner dimension is short (channels-first planes of 1-15 elements, channels-last
+// rows of 1-15 channels) run the other layout's kernels on transposed copies (or, for a dimension
+// of 1, on the same memory): every output must be that of the other layout's call on transposed
+// tensors, bit for bit. A wrong copy or stride shows here.
+class SwappedLayoutTest : public ::testing::TestWithParam<std::tuple<DataType, int>> {};
 
-const Geometry kSmallPlanes[] = {
-    {false, 1, 64, 4}, {false, 3, 37, 4}, {false, 2, 19, 9},
-    {false, 5, 8, 15}, {false, 9, 37, 1}, {false, 2, 1030, 2},
+const Geometry kShortInner[] = {
+    {false, 1, 64, 4},  {false, 3, 37, 4},   {false, 2, 19, 9}, {false, 5, 20, 15},
+    {false, 9, 37, 1},  {false, 2, 1030, 2}, {true, 2, 3, 64},  {true, 8, 1, 100},
+    {true, 1, 4, 1000}, {true, 3, 4, 40},
 };
 
-TEST_P(SmallPlanesTest, MatchChannelsLastOfTransposedTensors) {
+TEST_P(SwappedLayoutTest, MatchOtherLayoutOfTransposedTensors) {
   const auto [t, k] = GetParam();
-  const Geometry& g = kSmallPlanes[k];
-  Geometry last = g;
-  last.channels_last = true;
+  const Geometry& g = kShortInner[k];
+  Geometry other = g;
+  other.channels_last = !g.channels_last;
+  // Per image, g's layout is a rows x cols matrix (C x S channels-first).
+  const int64_t rows = g.channels_last ? g.s : g.c, cols = g.channels_last ? g.c : g.s;
   const DataType acc = StatsType(t);
   std::mt19937 rng(11);
   const Shape xs{g.elements()}, cs{g.c};
   const HostTensor x = RandomTensor(t, xs, -2.0, 3.0, &rng);
   const HostTensor dy = RandomTensor(t, xs, -1.0, 1.0, &rng);
-  const HostTensor xt = TransposeImages(x, g.n, g.c, g.s);
-  const HostTensor dyt = TransposeImages(dy, g.n, g.c, g.s);
+  const HostTensor xt = TransposeImages(x, g.n, rows, cols);
+  const HostTensor dyt = TransposeImages(dy, g.n, rows, cols);
   const HostTensor scale = RandomTensor(acc, cs, 0.5, 1.5, &rng);
   const HostTensor offset = RandomTensor(acc, cs, -0.5, 0.5, &rng);
   const HostTensor k1 = RandomTensor(acc, cs, 0.5, 1.5, &rng);
   const size_t C = static_cast<size_t>(g.c);
   std::vector<double> inv(C, 0.75);
-  const auto back = [&](const HostTensor& v) { return TransposeImages(v, g.n, g.s, g.c); };
+  const auto back = [&](const HostTensor& v) { return TransposeImages(v, g.n, cols, rows); };
 
   std::vector<double> mean(C), var(C), mean2(C), var2(C);
   HostTensor km(acc, cs), ka(acc, cs), kb(acc, cs), y(t, xs);
   HostTensor km2(acc, cs), ka2(acc, cs), kb2(acc, cs), y2(t, xs);
   fbn::kernels::ForwardTraining(t, g, x.data(), scale.data(), offset.data(), 1e-3, mean.data(),
                                 var.data(), km.data(), ka.data(), kb.data(), y.data());
-  fbn::kernels::ForwardTraining(t, last, xt.data(), scale.data(), offset.data(), 1e-3, mean2.data(),
-                                var2.data(), km2.data(), ka2.data(), kb2.data(), y2.data());
+  fbn::kernels::ForwardTraining(t, other, xt.data(), scale.data(), offset.data(), 1e-3,
+                                mean2.data(), var2.data(), km2.data(), ka2.data(), kb2.data(),
+                                y2.data());
   EXPECT_TRUE(SameDoubles(mean, mean2)) << "mean";
   EXPECT_TRUE(SameDoubles(var, var2)) << "variance";
   EXPECT_TRUE(y.BytesEqual(back(y2))) << "training y";
   fbn::kernels::Apply(t, g, x.data(), km.data(), ka.data(), kb.data(), y.data());
-  fbn::kernels::Apply(t, last, xt.data(), km.data(), ka.data(), kb.data(), y2.data());
+  fbn::kernels::Apply(t, other, xt.data(), km.data(), ka.data(), kb.data(), y2.data());
   EXPECT_TRUE(y.BytesEqual(back(y2))) << "inference y";
 
   std::vector<double> s_dy(C), s_dyxc(C), s_dy2(C), s_dyxc2(C);
   HostTensor k2(acc, cs), k0(acc, cs), dx(t, xs), k2b(acc, cs), k0b(acc, cs), dx2(t, xs);
   fbn::kernels::BackwardTraining(t, g, dy.data(), x.data(), km.data(), inv.data(), k1.data(),
                                  k2.data(), k0.data(), s_dy.data(), s_dyxc.data(), dx.data());
-  fbn::kernels::BackwardTraining(t, last, dyt.data(), xt.data(), km.data(), inv.data(), k1.data(),
+  fbn::kernels::BackwardTraining(t, other, dyt.data(), xt.data(), km.data(), inv.data(), k1.data(),
                                  k2b.data(), k0b.data(), s_dy2.data(), s_dyxc2.data(), dx2.data());
   EXPECT_TRUE(SameDoubles(s_dy, s_dy2)) << "training sum dy";
   EXPECT_TRUE(SameDoubles(s_dyxc, s_dyxc2)) << "training sum dy(x - m)";
   EXPECT_TRUE(dx.BytesEqual(back(dx2))) << "training dx";
   fbn::kernels::FrozenBackward(t, g, dy.data(), x.data(), km.data(), k1.data(), dx.data(),
                                s_dy.data(), s_dyxc.data());
-  fbn::kernels::FrozenBackward(t, last, dyt.data(), xt.data(), km.data(), k1.data(), dx2.data(),
+  fbn::kernels::FrozenBackward(t, other, dyt.data(), xt.data(), km.data(), k1.data(), dx2.data(),
                                s_dy2.data(), s_dyxc2.data());
   EXPECT_TRUE(SameDoubles(s_dy, s_dy2)) << "frozen sum dy";
   EXPECT_TRUE(SameDoubles(s_dyxc, s_dyxc2)) << "frozen sum dy(x - m)";
@@ -165,14 +173,14 @@ TEST_P(SmallPlanesTest, MatchChannelsLastOfTransposedTensors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    All, SmallPlanesTest,
+    All, SwappedLayoutTest,
     ::testing::Combine(::testing::Values(DataType::kFloat32, DataType::kBFloat16,
                                          DataType::kFloat16, DataType::kFloat64),
-                       ::testing::Range(0, static_cast<int>(std::size(kSmallPlanes)))),
+                       ::testing::Range(0, static_cast<int>(std::size(kShortInner)))),
     [](const ::testing::TestParamInfo<std::tuple<DataType, int>>& p) {
-      const Geometry& g = kSmallPlanes[std::get<1>(p.param)];
-      return DTypeTag(std::get<0>(p.param)) + "_" + std::to_string(g.n) + "x" +
-             std::to_string(g.c) + "x" + std::to_string(g.s);
+      const Geometry& g = kShortInner[std::get<1>(p.param)];
+      return DTypeTag(std::get<0>(p.param)) + (g.channels_last ? "_nhwc_" : "_nchw_") +
+             std::to_string(g.n) + "x" + std::to_string(g.c) + "x" + std::to_string(g.s);
     });
 
 INSTANTIATE_TEST_SUITE_P(
