@@ -134,13 +134,13 @@ const void* Offset(const void* p, int64_t elements, size_t elem_bytes) {
 // NHWC 46 -> 7 us. A dimension of 1 needs no copy (N x C x 1 is N x 1 x C): 64x2048x1x1 float
 // inference gradient 920 -> 20 us, 8x128x128x1 NHWC training forward 815 -> 31 us.
 constexpr int64_t kShortInner = 16;
-// Above this size per tensor, the copies to and from the other layout (on the calling thread) cost
-// more than they save: 3x3 planes lost from 600 KB (8x2048x3x3 float inference 0.48x). Inner
-// dimensions of up to kShortCopyInner elements have vectorized copies and gain up to 2 MB
-// (128x1024x2x2 float training forward 1.96x).
+// Above this size per tensor, copies of inner dimensions over kShortCopyInner cost more than they
+// save: 3x3 planes lost from 600 KB (8x2048x3x3 float inference 0.48x). Inner dimensions of up to
+// kShortCopyInner elements have vectorized copies and gain at every size measured, up to 19 MB
+// (64x224x224x3 bfloat16 NHWC training forward flushed 26.8 -> 6.2 ms, 128x2048x2x2 float NCHW
+// 2.3 -> 0.9 ms).
 constexpr double kSwapCopyBytes = 64.0 * 1024;
 constexpr int64_t kShortCopyInner = 4;
-constexpr double kShortSwapCopyBytes = 2.0 * 1024 * 1024;
 
 // How a call runs: in its own layout, in the other layout on the same memory, or on copies of its
 // tensors in the other layout.
@@ -157,8 +157,7 @@ Swap SwapOf(const Geometry& g, size_t elem_bytes, bool elementwise = false) {
   if (inner == 1) return Swap::kSameMemory;
   if (inner > kShortCopyInner && (elementwise || g.channels_last)) return Swap::kNo;
   const double bytes = static_cast<double>(g.elements()) * static_cast<double>(elem_bytes);
-  const double cap = inner <= kShortCopyInner ? kShortSwapCopyBytes : kSwapCopyBytes;
-  return bytes <= cap ? Swap::kCopy : Swap::kNo;
+  return inner <= kShortCopyInner || bytes <= kSwapCopyBytes ? Swap::kCopy : Swap::kNo;
 }
 
 Geometry Swapped(Geometry g) {
@@ -166,44 +165,83 @@ Geometry Swapped(Geometry g) {
   return g;
 }
 
-// Copies of a swapped call's tensors, in the calling thread's scratch: slots 0..2 (inputs, then
-// the output), each on its own cache lines. The kernels called with them use Scratch(), a
-// separate buffer.
-void* CopySlot(const Geometry& g, size_t elem_bytes, int slot) {
-  thread_local std::vector<double> buffer;
-  constexpr size_t kLine = kCacheLineBytes;
-  const size_t bytes = static_cast<size_t>(g.elements()) * elem_bytes;
-  const size_t stride = (bytes + kLine - 1) / kLine * kLine;
-  const size_t need = (3 * stride + kLine) / sizeof(double);
-  if (buffer.size() < need) buffer.resize(need);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(buffer.data());
-  const uintptr_t aligned = (base + kLine - 1) / kLine * kLine;
-  return reinterpret_cast<void*>(aligned + static_cast<size_t>(slot) * stride);
-}
+// Copies of at least this many bytes are split among the threads; a two-image 98 KB copy took twice
+// as long split (2x64x64x3 float NHWC training forward 14 -> 29 us).
+constexpr double kParallelCopyBytes = 256.0 * 1024;
 
-// Per image, a (rows x cols) matrix of g's layout transposed: C x S for channels-first.
+// Per image, a (rows x cols) matrix of g's layout transposed: C x S for channels-first. Images are
+// split among the threads (8x128x128x3 float NHWC training forward 549 -> 287 us).
 void TransposeFrom(DataType dtype, const Geometry& g, const void* src, void* dst) {
   const int64_t rows = g.channels_last ? g.s : g.c, cols = g.channels_last ? g.c : g.s;
-  Entry(dtype).transpose(src, dst, g.n, rows, cols);
+  const size_t es = ElemBytes(dtype);
+  const auto transpose = Entry(dtype).transpose;
+  const int64_t image = rows * cols;
+  const int threads =
+      static_cast<double>(g.elements() * static_cast<int64_t>(es)) >= kParallelCopyBytes
+          ? threading::NumThreads()
+          : 1;
+  const int64_t tasks = std::min<int64_t>(g.n, threads);
+  threading::ParallelFor(tasks, threads, [&](int64_t t) {
+    const int64_t n0 = g.n * t / tasks, n1 = g.n * (t + 1) / tasks;
+    transpose(Offset(src, n0 * image, es),
+              static_cast<char*>(dst) + static_cast<size_t>(n0 * image) * es, n1 - n0, rows, cols);
+  });
 }
 
-// The tensor `src` of g's layout in the other one: itself for kSameMemory, else a copy.
-const void* ToSwapped(Swap how, DataType dtype, const Geometry& g, const void* src, int slot) {
-  if (how == Swap::kSameMemory) return src;
-  void* dst = CopySlot(g, ElemBytes(dtype), slot);
-  TransposeFrom(dtype, g, src, dst);
-  return dst;
+// The calling thread's buffer for the copies of swapped calls, kept between calls up to this size
+// (three tensors of 32 MB) so that repeated calls do not fault in fresh pages.
+constexpr size_t kRetainedCopyBytes = 96u << 20;
+
+std::vector<double>& CopyBuffer() {
+  thread_local std::vector<double> buffer;
+  return buffer;
 }
 
-// Where a swapped call writes its output: `dst` itself for kSameMemory, else a copy slot that
-// FromSwapped moves to `dst`.
-void* SwappedOutput(Swap how, const Geometry& g, size_t elem_bytes, void* dst) {
-  return how == Swap::kSameMemory ? dst : CopySlot(g, elem_bytes, 2);
-}
+// A call run in the other layout (SwapOf): the swapped geometry, its tensors there (the tensors
+// themselves for Swap::kSameMemory, else transposed copies in slots 0..2 of the calling thread's
+// CopyBuffer, each on its own cache lines), and the move of its output back.
+class SwappedCall {
+ public:
+  SwappedCall(Swap how, DataType dtype, const Geometry& g)
+      : how_(how), dtype_(dtype), g_(g), swapped_(Swapped(g)) {
+    if (how_ != Swap::kCopy) return;
+    constexpr size_t kLine = kCacheLineBytes;
+    const size_t bytes = static_cast<size_t>(g.elements()) * ElemBytes(dtype);
+    stride_ = (bytes + kLine - 1) / kLine * kLine;
+    std::vector<double>& buffer = CopyBuffer();
+    const size_t need = (3 * stride_ + kLine) / sizeof(double);
+    if (buffer.size() < need) buffer.resize(need);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
+    base_ = reinterpret_cast<char*>((p + kLine - 1) / kLine * kLine);
+  }
+  ~SwappedCall() {
+    std::vector<double>& buffer = CopyBuffer();
+    if (buffer.size() * sizeof(double) > kRetainedCopyBytes) std::vector<double>().swap(buffer);
+  }
+  SwappedCall(const SwappedCall&) = delete;
+  SwappedCall& operator=(const SwappedCall&) = delete;
 
-void FromSwapped(Swap how, DataType dtype, const Geometry& g, const void* src, void* dst) {
-  if (how == Swap::kCopy) TransposeFrom(dtype, Swapped(g), src, dst);
-}
+  const Geometry& geometry() const { return swapped_; }
+  // The input `src` in the other layout.
+  const void* In(const void* src, int slot) const {
+    if (how_ == Swap::kSameMemory) return src;
+    void* dst = base_ + static_cast<size_t>(slot) * stride_;
+    TransposeFrom(dtype_, g_, src, dst);
+    return dst;
+  }
+  // Where the swapped call writes the output `dst`; Finish moves it there.
+  void* Out(void* dst) const { return how_ == Swap::kSameMemory ? dst : base_ + 2 * stride_; }
+  void Finish(const void* out, void* dst) const {
+    if (how_ == Swap::kCopy) TransposeFrom(dtype_, swapped_, out, dst);
+  }
+
+ private:
+  Swap how_;
+  DataType dtype_;
+  Geometry g_, swapped_;
+  size_t stride_ = 0;
+  char* base_ = nullptr;
+};
 
 // The least output for which StreamStores probes the cache; smaller outputs that fit the caches
 // get regular stores whatever the caches hold. Where the streaming kernel is the strip kernel
@@ -559,7 +597,8 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
                   double* variance) {
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
-    return ComputeStats(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), mean, variance);
+    const SwappedCall call(how, dtype, g);
+    return ComputeStats(dtype, call.geometry(), call.In(x, 0), mean, variance);
   }
   InputProbe probe(g, es, x);
   ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
@@ -613,9 +652,10 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
            const void* b, void* y) {
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
-    void* out = SwappedOutput(how, g, es, y);
-    Apply(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), mean, a, b, out);
-    return FromSwapped(how, dtype, g, out, y);
+    const SwappedCall call(how, dtype, g);
+    void* out = call.Out(y);
+    Apply(dtype, call.geometry(), call.In(x, 0), mean, a, b, out);
+    return call.Finish(out, y);
   }
   InputProbe probe(g, es, x);
   const int threads = CallThreads(g, es, 2, probe);
@@ -683,8 +723,9 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
-    return BackwardReduce(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
-                          ToSwapped(how, dtype, g, x, 1), mean, sum_dy, sum_dy_xc);
+    const SwappedCall call(how, dtype, g);
+    return BackwardReduce(dtype, call.geometry(), call.In(dy, 0), call.In(x, 1), mean, sum_dy,
+                          sum_dy_xc);
   }
   InputProbe probe(g, es, dy);
   ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false, sum_dy,
@@ -696,11 +737,11 @@ void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const voi
                     ChannelStep prepare, ChannelStep finish) {
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
-    void* out = SwappedOutput(how, g, es, dx);
-    FrozenBackward(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
-                   ToSwapped(how, dtype, g, x, 1), mean, k1, out, sum_dy, sum_dy_xc, prepare,
-                   finish);
-    return FromSwapped(how, dtype, g, out, dx);
+    const SwappedCall call(how, dtype, g);
+    void* out = call.Out(dx);
+    FrozenBackward(dtype, call.geometry(), call.In(dy, 0), call.In(x, 1), mean, k1, out, sum_dy,
+                   sum_dy_xc, prepare, finish);
+    return call.Finish(out, dx);
   }
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
@@ -735,10 +776,10 @@ void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
-    void* out = SwappedOutput(how, g, es, dx);
-    BackwardApply(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
-                  ToSwapped(how, dtype, g, x, 1), mean, k1, k2, k0, out);
-    return FromSwapped(how, dtype, g, out, dx);
+    const SwappedCall call(how, dtype, g);
+    void* out = call.Out(dx);
+    BackwardApply(dtype, call.geometry(), call.In(dy, 0), call.In(x, 1), mean, k1, k2, k0, out);
+    return call.Finish(out, dx);
   }
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
@@ -924,10 +965,11 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
-    void* out = SwappedOutput(how, g, es, y);
-    ForwardTraining(dtype, Swapped(g), ToSwapped(how, dtype, g, x, 0), scale, offset, eps, mean,
-                    variance, k_mean, k_a, k_b, out, finish);
-    return FromSwapped(how, dtype, g, out, y);
+    const SwappedCall call(how, dtype, g);
+    void* out = call.Out(y);
+    ForwardTraining(dtype, call.geometry(), call.In(x, 0), scale, offset, eps, mean, variance,
+                    k_mean, k_a, k_b, out, finish);
+    return call.Finish(out, y);
   }
   if (FuseChannelGroups(g, static_cast<double>(es))) {
     ForwardTrainingGroups(dtype, g, x, scale, offset, eps, mean, variance, k_mean, k_a, k_b, y,
@@ -984,11 +1026,11 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
-    void* out = SwappedOutput(how, g, es, dx);
-    BackwardTraining(dtype, Swapped(g), ToSwapped(how, dtype, g, dy, 0),
-                     ToSwapped(how, dtype, g, x, 1), k_mean, inv, k1, k2, k0, sum_dy, sum_dy_xc,
-                     out, prepare, finish);
-    return FromSwapped(how, dtype, g, out, dx);
+    const SwappedCall call(how, dtype, g);
+    void* out = call.Out(dx);
+    BackwardTraining(dtype, call.geometry(), call.In(dy, 0), call.In(x, 1), k_mean, inv, k1, k2, k0,
+                     sum_dy, sum_dy_xc, out, prepare, finish);
+    return call.Finish(out, dx);
   }
   const double n = static_cast<double>(g.per_channel());
   if (FuseChannelGroups(g, 2.0 * static_cast<double>(es))) {
