@@ -705,6 +705,22 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
   const int64_t M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   double* partial = Scratch(2 * static_cast<size_t>(C * p.pieces));
+  if (p.pieces == 1) {
+    // Whole channels per task: several at a time (reduce_runs gives each the sums reduce_run
+    // gives it). The sums then add to zero as MergePieceSums adds one piece.
+    double* ps = partial;
+    double* pt = partial + C;
+    threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
+      const int64_t c0 = t * p.group, c1 = std::min(C, c0 + p.group);
+      e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, mean, ps, pt, k1, dx, stream);
+    });
+    for (int64_t c = 0; c < C; ++c) {
+      sum_dy[c] = 0.0 + ps[c];
+      sum_dy_xc[c] = 0.0 + pt[c];
+    }
+    finish(0, C);
+    return;
+  }
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     ForEachRun(p, C, M, t, [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
       double* s = partial + 2 * static_cast<size_t>(c * p.pieces + piece);
@@ -1082,7 +1098,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     prepare(t0, t1);  // per task: chunks can be single channels
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
       const int64_t c1 = std::min(t1, c0 + chunk);
-      e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc);
+      e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, false);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
         e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);

@@ -36,9 +36,10 @@ struct KernelEntry {
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
                      double* sum_dy_xc, const void* k1, void* dx, bool stream);
   // Σdy and Σdy·(x - m) of whole channels [c0, c1) of an images x C x S tensor, as reduce_run
-  // (without dx) per channel gives them.
+  // per channel gives them (with k1 non-null also dx = k1·dy).
   void (*reduce_runs)(const void* dy, const void* x, int64_t C, int64_t S, int64_t images,
-                      int64_t c0, int64_t c1, const void* mean, double* sum_dy, double* sum_dy_xc);
+                      int64_t c0, int64_t c1, const void* mean, double* sum_dy, double* sum_dy_xc,
+                      const void* k1, void* dx, bool stream);
   void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1,
                               int64_t r0, int64_t r1, const void* mean, const void* k1,
                               const void* k2, const void* k0, void* dx, bool stream);

@@ -306,22 +306,32 @@ TEST_P(SimdTargetTest, MultiChannelRunsMatchSingleChannelRuns) {
       const HostTensor x = RandomTensor(t, xs, 3.0, 5.0, &rng);
       const HostTensor dy = RandomTensor(t, xs, -1.0, 1.0, &rng);
       const HostTensor mean = RandomTensor(acc, Shape{k.c}, 3.5, 4.5, &rng);
+      const HostTensor k1 = RandomTensor(acc, Shape{k.c}, 0.5, 1.5, &rng);
       const int64_t M = k.images * k.s;
-      std::vector<double> m_all(k.c), q_all(k.c), s_all(k.c), t_all(k.c);
+      std::vector<double> m_all(k.c), q_all(k.c), s_all(k.c), t_all(k.c), fs_all(k.c), ft_all(k.c);
+      HostTensor dx_all(t, xs), dx_one(t, xs);
       e.stats_runs(x.data(), k.c, k.s, k.images, 0, k.c, m_all.data(), q_all.data());
       e.reduce_runs(dy.data(), x.data(), k.c, k.s, k.images, 0, k.c, mean.data(), s_all.data(),
-                    t_all.data());
+                    t_all.data(), nullptr, nullptr, false);
+      // The frozen form, also writing dx = k1·dy.
+      e.reduce_runs(dy.data(), x.data(), k.c, k.s, k.images, 0, k.c, mean.data(), fs_all.data(),
+                    ft_all.data(), k1.data(), dx_all.data(), false);
       for (int64_t c = 0; c < k.c; ++c) {
-        double m1 = 0, q1 = 0, s1 = 0, t1 = 0;
+        double m1 = 0, q1 = 0, s1 = 0, t1 = 0, fs1 = 0, ft1 = 0;
         const char* base = static_cast<const char*>(x.data()) + static_cast<size_t>(c * k.s) * es;
         e.stats_run(base, k.c * k.s, k.s, 0, M, &m1, &q1);
         e.reduce_run(dy.data(), x.data(), c * k.s, k.c * k.s, k.s, 0, M, mean.data(), c, &s1, &t1,
                      nullptr, nullptr, false);
+        e.reduce_run(dy.data(), x.data(), c * k.s, k.c * k.s, k.s, 0, M, mean.data(), c, &fs1, &ft1,
+                     k1.data(), dx_one.data(), false);
         EXPECT_EQ(std::memcmp(&m_all[c], &m1, 8), 0) << "mean of channel " << c;
         EXPECT_EQ(std::memcmp(&q_all[c], &q1, 8), 0) << "M2 of channel " << c;
         EXPECT_EQ(std::memcmp(&s_all[c], &s1, 8), 0) << "sum dy of channel " << c;
         EXPECT_EQ(std::memcmp(&t_all[c], &t1, 8), 0) << "sum dy(x - m) of channel " << c;
+        EXPECT_EQ(std::memcmp(&fs_all[c], &fs1, 8), 0) << "frozen sum dy of channel " << c;
+        EXPECT_EQ(std::memcmp(&ft_all[c], &ft1, 8), 0) << "frozen sum dy(x - m) of channel " << c;
       }
+      EXPECT_TRUE(dx_all.BytesEqual(dx_one)) << "frozen dx";
     }
   }
 }
