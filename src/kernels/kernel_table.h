@@ -47,7 +47,7 @@ struct KernelEntry {
                               int64_t f1, const void* mean, const void* k1, const void* k2,
                               const void* k0, void* dx, bool stream);
   // Per image, dst[j·rows + i] = src[i·cols + j]: the (rows x cols) planes of `images` images
-  // transposed (channels-first tensors of small planes run as channels-last copies).
+  // transposed (a call whose inner dimension is short runs on copies in the other layout).
   void (*transpose)(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols);
   // Bytes of one streaming store of the channels-first writers, which stream only from aligned
   // starts (0 where they never stream).
