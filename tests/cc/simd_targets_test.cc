@@ -15,6 +15,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "fbn/fbn.h"
 #include "hwy/targets.h"
 #include "kernels/channel_math.h"
@@ -285,6 +290,108 @@ TEST_P(SimdTargetTest, SixteenBitLoadsAreExact) {
 // interleave channels only to overlap their dependency chains: each channel's values must be
 // bit-identical to those of the one-channel kernels (stats_run, reduce_run), which the unfused
 // paths use, for channels in groups and in the remainder, single blocks and several.
+#if defined(__linux__)
+// Memory whose last byte is followed by an inaccessible page: any access past the end faults.
+class GuardedBytes {
+ public:
+  explicit GuardedBytes(size_t bytes) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    size_ = ((bytes + page - 1) / page + 1) * page;
+    void* base = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return;
+    base_ = static_cast<unsigned char*>(base);
+    if (mprotect(base_ + size_ - page, page, PROT_NONE) != 0) return;
+    data_ = base_ + size_ - page - bytes;
+  }
+  ~GuardedBytes() {
+    if (base_ != nullptr) munmap(base_, size_);
+  }
+  GuardedBytes(const GuardedBytes&) = delete;
+  GuardedBytes& operator=(const GuardedBytes&) = delete;
+  unsigned char* data() const { return data_; }  // null if the mapping failed
+
+ private:
+  unsigned char* base_ = nullptr;
+  unsigned char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Channels-first planes and channels-last rows that are not a whole number of vectors end in masked
+// loads and stores. With x, dy, y and dx ending where an inaccessible page begins, a byte read or
+// written past the tensor faults; the results must equal those of ordinary buffers bit for bit.
+// Sizes: small calls, and calls over 64 KB, which the training gradient applies in place.
+TEST_P(SimdTargetTest, TailsTouchNothingPastTheTensor) {
+  struct Case {
+    int64_t n, c;
+    std::vector<int64_t> spatial;
+  };
+  const Case cases[] = {{1, 5, {3, 3}},   {2, 2500, {3, 3}}, {3, 700, {5, 5}},
+                        {2, 300, {7, 7}}, {8, 24, {9, 9}},   {4, 40, {28, 28}}};
+  std::mt19937 rng(11);
+  for (DataType t : kAllDtypes) {
+    for (TensorFormat f : {TensorFormat::kNCHW, TensorFormat::kNHWC}) {
+      for (const Case& k : cases) {
+        const Shape xs = MakeShape(f, k.n, k.c, k.spatial);
+        SCOPED_TRACE(DTypeTag(t) + " " + FormatTag(f) + " " + xs.DebugString());
+        const int64_t C = k.c;
+        const Shape cs{C};
+        const DataType u = t == DataType::kFloat64 ? t : DataType::kFloat32;  // scale, offset, ...
+        ForwardIO io;
+        io.x = RandomTensor(t, xs, -3.0, 5.0, &rng);
+        io.scale = RandomTensor(u, cs, 0.5, 1.5, &rng);
+        io.offset = RandomTensor(u, cs, -1.0, 1.0, &rng);
+        io.mean = RandomTensor(u, cs, 0.5, 1.5, &rng);
+        io.variance = RandomTensor(u, cs, 0.5, 2.0, &rng);
+        fbn::FusedBatchNormAttrs attrs;
+        attrs.is_training = false;
+        attrs.data_format = f;
+        ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+        Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        {
+          GuardedBytes x(io.x.bytes()), y(io.y.bytes());
+          ASSERT_TRUE(x.data() != nullptr && y.data() != nullptr);
+          std::memcpy(x.data(), io.x.data(), io.x.bytes());
+          fbn::FusedBatchNormInputs in = io.Inputs();
+          fbn::FusedBatchNormOutputs out = io.Outputs();
+          in.x.data = x.data();
+          out.y.data = y.data();
+          s = fbn::FusedBatchNorm(OpVersion::kV3, in, attrs, out);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          EXPECT_EQ(std::memcmp(y.data(), io.y.data(), io.y.bytes()), 0) << "inference y";
+        }
+
+        GradIO g;
+        g.dy = RandomTensor(t, xs, -1.0, 1.0, &rng);
+        g.x = io.x;
+        g.scale = io.scale;
+        g.rs1 = io.mean;
+        g.rs2 = io.variance;
+        g.rs3 = HostTensor(u, Shape{});
+        fbn::FusedBatchNormGradAttrs gattrs;
+        gattrs.is_training = true;
+        gattrs.data_format = f;
+        ASSERT_NO_FATAL_FAILURE(g.AllocateOutputs(OpVersion::kV3, gattrs));
+        s = fbn::FusedBatchNormGrad(OpVersion::kV3, g.Inputs(), gattrs, g.Outputs());
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        GuardedBytes x(g.x.bytes()), dy(g.dy.bytes()), dx(g.dx.bytes());
+        ASSERT_TRUE(x.data() != nullptr && dy.data() != nullptr && dx.data() != nullptr);
+        std::memcpy(x.data(), g.x.data(), g.x.bytes());
+        std::memcpy(dy.data(), g.dy.data(), g.dy.bytes());
+        fbn::FusedBatchNormGradInputs in = g.Inputs();
+        fbn::FusedBatchNormGradOutputs out = g.Outputs();
+        in.x.data = x.data();
+        in.y_backprop.data = dy.data();
+        out.x_backprop.data = dx.data();
+        s = fbn::FusedBatchNormGrad(OpVersion::kV3, in, gattrs, out);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        EXPECT_EQ(std::memcmp(dx.data(), g.dx.data(), g.dx.bytes()), 0) << "training dx";
+      }
+    }
+  }
+}
+#endif
+
 TEST_P(SimdTargetTest, MultiChannelRunsMatchSingleChannelRuns) {
   const fbn::kernels::KernelEntry* entries = fbn::kernels::ActiveKernels().entries;
   std::mt19937 rng(7);
