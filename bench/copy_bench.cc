@@ -3,6 +3,17 @@
 // NT copy), over a size sweep from L2-resident to several times the LLC. Bytes counted: read = 1x,
 // copy = 2x the buffer (read + write; the RFO of regular stores is not counted).
 //
+// Also, on the DRAM-sized buffer only, what this machine gives the simplest loops with the memory
+// traffic of a training pass (float, 2 threads, AVX-512 only), as a reference for the training
+// targets, which are ratios to the inference time (a copy-like sweep):
+//   ref/write_nt          streaming stores alone (1x counted);
+//   ref/fwd_two_sweeps    a sum of x, then y = x·a + b streamed: 2R + 1W (2x counted);
+//   ref/fwd_chunked       the same per chunk of half the L2, so the second read can hit the L2:
+//                         the channels-first fused pass at its best (2x counted);
+//   ref/grad_two_sweeps   sums of dy and dy·x, then dx = dy·a + x·b streamed: 4R + 1W (3x counted);
+//   ref/grad_chunked      the same per chunk of half the L2, dy and x together (3x counted).
+// Their time over the NT copy's for the same tensor is the ratio the targets bound.
+//
 //   copy_bench [--max_mb=N] [benchmark flags]
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
@@ -18,10 +29,12 @@
 namespace {
 
 enum Kind { kRead, kCopyRegular, kCopyNT };
+enum RefKind { kWriteNT, kFwdTwoSweeps, kFwdChunked, kGradTwoSweeps, kGradChunked };
 
 // Buffers shared by all sizes; each thread works on its own contiguous half.
 float* g_src = nullptr;
 float* g_dst = nullptr;
+float* g_src2 = nullptr;  // the second input (x) of the gradient references
 float g_sink[64];
 
 __attribute__((target("avx512f"))) float Read512(const float* s, size_t n) {
@@ -85,6 +98,114 @@ __attribute__((target("avx2"))) void Copy256(const float* s, float* d, size_t n,
 
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
+// The reference loops: elements [0, n) of x (and x2) in chunks of `chunk`, each reduced, then
+// rewritten into y with streaming stores. n and chunk are multiples of 64.
+__attribute__((target("avx512f"))) float FwdRef(const float* x, float* y, size_t n, size_t chunk) {
+  float sink = 0;
+  for (size_t c0 = 0; c0 < n; c0 += chunk) {
+    const size_t c1 = std::min(n, c0 + chunk);
+    __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+    for (size_t i = c0; i < c1; i += 64) {
+      a = _mm512_add_ps(a, _mm512_load_ps(x + i));
+      b = _mm512_add_ps(b, _mm512_load_ps(x + i + 16));
+      c = _mm512_add_ps(c, _mm512_load_ps(x + i + 32));
+      d = _mm512_add_ps(d, _mm512_load_ps(x + i + 48));
+    }
+    alignas(64) float t[16];
+    _mm512_store_ps(t, _mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+    const __m512 k = _mm512_set1_ps(1.0f / (1.0f + t[0] * t[0])), m = _mm512_set1_ps(t[15]);
+    for (size_t i = c0; i < c1; i += 16) {
+      _mm512_stream_ps(y + i, _mm512_fmadd_ps(_mm512_sub_ps(_mm512_load_ps(x + i), m), k, m));
+    }
+    sink += t[1];
+  }
+  _mm_sfence();
+  return sink;
+}
+
+__attribute__((target("avx512f"))) float GradRef(const float* dy, const float* x, float* dx,
+                                                 size_t n, size_t chunk) {
+  float sink = 0;
+  for (size_t c0 = 0; c0 < n; c0 += chunk) {
+    const size_t c1 = std::min(n, c0 + chunk);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, q0 = s0, q1 = s0;
+    for (size_t i = c0; i < c1; i += 32) {
+      const __m512 g0 = _mm512_load_ps(dy + i), g1 = _mm512_load_ps(dy + i + 16);
+      s0 = _mm512_add_ps(s0, g0);
+      s1 = _mm512_add_ps(s1, g1);
+      q0 = _mm512_fmadd_ps(g0, _mm512_load_ps(x + i), q0);
+      q1 = _mm512_fmadd_ps(g1, _mm512_load_ps(x + i + 16), q1);
+    }
+    alignas(64) float t[16], u[16];
+    _mm512_store_ps(t, _mm512_add_ps(s0, s1));
+    _mm512_store_ps(u, _mm512_add_ps(q0, q1));
+    const __m512 a = _mm512_set1_ps(1.0f / (1.0f + t[0] * t[0]));
+    const __m512 b = _mm512_set1_ps(1.0f / (1.0f + u[0] * u[0]));
+    for (size_t i = c0; i < c1; i += 16) {
+      _mm512_stream_ps(dx + i, _mm512_fmadd_ps(_mm512_load_ps(dy + i), a,
+                                               _mm512_mul_ps(_mm512_load_ps(x + i), b)));
+    }
+    sink += t[1] + u[1];
+  }
+  _mm_sfence();
+  return sink;
+}
+
+__attribute__((target("avx512f"))) void WriteNT(float* y, size_t n) {
+  const __m512 v = _mm512_set1_ps(1.0f);
+  for (size_t i = 0; i < n; i += 16) _mm512_stream_ps(y + i, v);
+  _mm_sfence();
+}
+
+// Half the L2 of one core (sysfs; 512 KB where it is not reported), in floats.
+size_t RefChunkFloats() {
+  size_t l2_kb = 0;
+  std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index2/size", "r");
+  if (f != nullptr) {
+    if (std::fscanf(f, "%zu", &l2_kb) != 1) l2_kb = 0;
+    std::fclose(f);
+  }
+  if (l2_kb == 0) l2_kb = 1024;
+  return l2_kb * 1024 / 2 / sizeof(float) / 64 * 64;
+}
+
+void BM_Reference(benchmark::State& state, RefKind kind, size_t bytes) {
+  const size_t n = bytes / sizeof(float);
+  const size_t per_thread = n / static_cast<size_t>(state.threads()) / 64 * 64;
+  const size_t offset = per_thread * static_cast<size_t>(state.thread_index());
+  const float* x = g_src + offset;
+  const float* x2 = g_src2 + offset;
+  float* y = g_dst + offset;
+  const size_t chunk = RefChunkFloats();
+  for (auto _ : state) {
+    float r = 0;
+    switch (kind) {
+      case kWriteNT:
+        WriteNT(y, per_thread);
+        break;
+      case kFwdTwoSweeps:
+        r = FwdRef(x, y, per_thread, per_thread);
+        break;
+      case kFwdChunked:
+        r = FwdRef(x, y, per_thread, chunk);
+        break;
+      case kGradTwoSweeps:
+        r = GradRef(x, x2, y, per_thread, per_thread);
+        break;
+      case kGradChunked:
+        r = GradRef(x, x2, y, per_thread, chunk);
+        break;
+    }
+    g_sink[state.thread_index() * 16] += r;
+    benchmark::ClobberMemory();
+  }
+  const int64_t tensor = static_cast<int64_t>(per_thread * sizeof(float));
+  const int64_t counted = kind == kWriteNT                                 ? tensor
+                          : (kind == kFwdTwoSweeps || kind == kFwdChunked) ? 2 * tensor
+                                                                           : 3 * tensor;
+  state.SetBytesProcessed(counted * state.iterations());
+}
+
 void BM_Memory(benchmark::State& state, Kind kind, size_t bytes) {
   const size_t n = bytes / sizeof(float);
   const size_t per_thread = n / static_cast<size_t>(state.threads()) / 64 * 64;
@@ -127,6 +248,12 @@ int main(int argc, char** argv) {
   g_dst = dst.as<float>();
   fbn_bench::FillUniform(g_src, static_cast<int64_t>(max_bytes / 4), fbn_bench::Dtype::kF32, 0.f,
                          1.f, 7);
+  fbn_bench::Buffer src2(kHasAvx512 ? max_bytes : 64);
+  g_src2 = src2.as<float>();
+  if (kHasAvx512) {
+    fbn_bench::FillUniform(g_src2, static_cast<int64_t>(max_bytes / 4), fbn_bench::Dtype::kF32,
+                           -1.f, 1.f, 8);
+  }
 
   std::vector<size_t> sizes_mb = {1, 4, 16, 32, 64, 128, 256};
   sizes_mb.erase(
@@ -149,6 +276,19 @@ int main(int argc, char** argv) {
       ->Threads(1)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  if (kHasAvx512) {
+    const char* ref_names[] = {"write_nt", "fwd_two_sweeps", "fwd_chunked", "grad_two_sweeps",
+                               "grad_chunked"};
+    for (RefKind k : {kWriteNT, kFwdTwoSweeps, kFwdChunked, kGradTwoSweeps, kGradChunked}) {
+      const std::string name =
+          std::string("ref/") + ref_names[k] + "/" + std::to_string(max_mb) + "MB";
+      benchmark::RegisterBenchmark(name.c_str(), BM_Reference, k, max_bytes)
+          ->Threads(2)
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+    benchmark::AddCustomContext("ref_chunk_kb", std::to_string(RefChunkFloats() * 4 / 1024));
+  }
   benchmark::AddCustomContext("cpu_model", fbn_bench::CpuModelName());
   benchmark::AddCustomContext("caches", fbn_bench::CacheSizesString());
   benchmark::AddCustomContext("dram_buffer_mb", std::to_string(max_mb));
