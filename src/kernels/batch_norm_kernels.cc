@@ -667,6 +667,40 @@ HWY_INLINE void PrefetchPlaneAhead(const T* p, int64_t plane_stride, int64_t S, 
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 3);
 }
 
+// Long planes (over kShortRunBytes) the hardware prefetchers do follow, but a reduction spends
+// more instructions per line than a copy (bfloat16 most: widening), so fewer lines are in flight,
+// and each statistics block's second pass, from L1, leaves memory idle. The reductions of long
+// planes therefore prefetch kPrefetchAhead elements ahead, through the planes and the next block,
+// up to the end of their range. Medians of 3-4 alternating runs, training forward: bfloat16
+// 96x64x147x147 35 -> 27 ms, 32x256x56x56 4.3 -> 3.7 ms, float 96x192x35x35 9.3 -> 7.8 ms;
+// training gradient: bfloat16 96x64x147x147 63 -> 50 ms, 32x256x56x56 8.4 -> 6.1 ms, float
+// 32x128x28x28 1.06 -> 0.97 ms; batch 1 and cache-resident channels unchanged.
+// A cursor over a channel's element index e at (plane, off): Next(step) prefetches the lines of
+// `step` elements at e, then advances e by step (step < S).
+template <typename T>
+class PrefetchCursor {
+ public:
+  PrefetchCursor(const T* base, int64_t plane_stride, int64_t S, int64_t e, int64_t end)
+      : base_(base), stride_(plane_stride), S_(S), e_(e), end_(end), plane_(e / S), off_(e % S) {}
+  HWY_INLINE void Next(int64_t step) {
+    if (e_ < end_) {
+      const char* q = reinterpret_cast<const char*>(base_ + plane_ * stride_ + off_);
+      const int64_t bytes = step * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 3);
+    }
+    e_ += step;
+    off_ += step;
+    if (off_ >= S_) {
+      off_ -= S_;
+      ++plane_;
+    }
+  }
+
+ private:
+  const T* base_;
+  int64_t stride_, S_, e_, end_, plane_, off_;
+};
+
 template <int K, typename T>
 HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t S, int64_t v0,
                              int64_t v1, int64_t prefetch_end, double* out_mean, double* out_m2) {
@@ -683,11 +717,22 @@ HWY_INLINE void BlockTwoPass(const T* const* base, int64_t plane_stride, int64_t
     s0[j] = s1[j] = hn::Zero(d);
     s[j] = 0;
   }
+  // Long planes (read one channel at a time) prefetch ahead along the channel (PrefetchCursor).
+  const bool cursor = K == 1 && S * static_cast<int64_t>(sizeof(T)) > kShortRunBytes;
+  PrefetchCursor<T> ahead(base[0], plane_stride, S, v0 + kPrefetchAhead<T>, prefetch_end);
   // Offsets of the pieces relative to each channel's base.
   ForEachOffsetPiece(plane_stride, S, v0, v1, [&](int64_t o, int64_t n, int64_t v) {
     for (int j = 0; j < K; ++j)
       PrefetchPlaneAhead(base[j] + o, plane_stride, S, n, v, prefetch_end);
     int64_t i = 0;
+    if (cursor) {
+      for (; i + 2 * N <= n; i += 2 * N) {
+        ahead.Next(2 * N);
+        const T* p = base[0] + o;
+        s0[0] = hn::Add(s0[0], hn::Sub(LoadAcc(d, p + i), vk[0]));
+        s1[0] = hn::Add(s1[0], hn::Sub(LoadAcc(d, p + i + N), vk[0]));
+      }
+    }
     for (; i + 2 * N <= n; i += 2 * N) {
       for (int j = 0; j < K; ++j) {
         const T* p = base[j] + o;
@@ -1183,6 +1228,10 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
   const auto vm = hn::Set(d, mean);
   const auto vk = hn::Set(d, k1);
   double total_s = 0, total_t = 0;
+  // As BlockTwoPass: long planes prefetch ahead along the channel.
+  const bool cursor = S * static_cast<int64_t>(sizeof(T)) > kShortRunBytes;
+  PrefetchCursor<T> ahead_dy(dy + base, plane_stride, S, v0 + kPrefetchAhead<T>, v1);
+  PrefetchCursor<T> ahead_x(x + base, plane_stride, S, v0 + kPrefetchAhead<T>, v1);
   int64_t v = v0;
   while (v < v1) {
     const int64_t plane = v / S, off = v % S;
@@ -1194,6 +1243,16 @@ void ReduceRun(const void* dyv, const void* xv, int64_t base, int64_t plane_stri
     const bool nt = dx && stream && StreamAligned(d, dx + at);
     auto s = hn::Zero(d), t = hn::Zero(d);
     int64_t i = 0;
+    for (; cursor && i + 2 * N <= len; i += 2 * N) {
+      ahead_dy.Next(2 * N);
+      ahead_x.Next(2 * N);
+      for (int64_t u = i; u < i + 2 * N; u += N) {  // the order of the loop below
+        const auto g = LoadAcc(d, dy + at + u);
+        s = hn::Add(s, g);
+        t = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + at + u), vm), t);
+        if (dx) StoreAcc(d, hn::Mul(g, vk), dx + at + u, nt);
+      }
+    }
     for (; i + N <= len; i += N) {
       const auto g = LoadAcc(d, dy + at + i);
       s = hn::Add(s, g);
@@ -1235,6 +1294,10 @@ HWY_INLINE void ReduceChannels(const T* dy, const T* x, const int64_t* first, in
     vk[j] = hn::Set(d, k1 ? k1[j] : A(0));
     total_s[j] = total_t[j] = 0;
   }
+  // As BlockTwoPass: long planes (one channel at a time) prefetch ahead along the channel.
+  const bool cursor = K == 1 && S * static_cast<int64_t>(sizeof(T)) > kShortRunBytes;
+  PrefetchCursor<T> ahead_dy(dy + first[0], plane_stride, S, kPrefetchAhead<T>, M);
+  PrefetchCursor<T> ahead_x(x + first[0], plane_stride, S, kPrefetchAhead<T>, M);
   for (int64_t v = 0; v < M;) {
     const int64_t plane = v / S, off = v % S;
     int64_t len = S - off;
@@ -1250,6 +1313,17 @@ HWY_INLINE void ReduceChannels(const T* dy, const T* x, const int64_t* first, in
     bool nt[K];
     for (int j = 0; j < K; ++j) nt[j] = dx && stream && StreamAligned(d, dx + first[j] + o);
     int64_t i = 0;
+    for (; cursor && i + 2 * N <= len; i += 2 * N) {
+      ahead_dy.Next(2 * N);
+      ahead_x.Next(2 * N);
+      for (int64_t u = i; u < i + 2 * N; u += N) {  // the order of the loop below
+        const int64_t at = first[0] + o + u;
+        const auto g = LoadAcc(d, dy + at);
+        sv[0] = hn::Add(sv[0], g);
+        tv[0] = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + at), vm[0]), tv[0]);
+        if (dx) StoreAcc(d, hn::Mul(g, vk[0]), dx + at, nt[0]);
+      }
+    }
     for (; i + N <= len; i += N) {
       for (int j = 0; j < K; ++j) {
         const int64_t at = first[j] + o + i;
