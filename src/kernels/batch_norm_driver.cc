@@ -82,13 +82,23 @@ double L2Bytes() {
 // Outputs bypass the cache with streaming stores once the tensors a call touches (`tensors` of
 // them, inputs and output) overflow the L2 caches of the threads working on them: the output
 // would be evicted before anything read it back, and streaming saves the read-for-ownership of
-// every line. Measured on ResNet-50 batch-1 shapes (2 threads, 2 MB L2 each): 3.2 MB float
+// every line. Measured on ResNet-50 batch-1 shapes (Xeon, 2 threads, 2 MB L2 each): 3.2 MB float
 // inference 121 -> 90 us with its operands in cache and 281 -> 156 us flushed from it; at
-// 800 KB streaming doubled the in-cache time (12 -> 23 us).
+// 800 KB streaming doubled the in-cache time (12 -> 23 us). Where the L3 is a victim cache of the
+// L2s (Zen 4, 1 MB L2, 32 MB L3) lines evicted from L2 come back from L3 at L2-like latency, so
+// there regular stores keep the output for its reader up to half the L3 (warm, operands in L3:
+// 1x256x56x56 float inference 120 -> 58 us, 32x256x14x14 NCHW 195 -> 108, 32x512x7x7 float
+// training gradient 198 -> 157); beyond that streaming still wins (96x448x8x8 float training
+// gradient 1147 us streamed, 1365 not; 16-bit channels-last tensors of 16-34 MB split both
+// ways, 0.6-2x). 16-bit channels-first writers, whose short planes stream whole lines, stayed
+// faster streamed (96x448x8x8 bfloat16 inference 166 vs 222 us).
 bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads) {
   const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
                          static_cast<double>(elem_bytes);
-  return touched > static_cast<double>(threads) * L2Bytes();
+  const bool l3_keeps = g.channels_last || elem_bytes >= 4;
+  const double retained =
+      std::max(static_cast<double>(threads) * L2Bytes(), l3_keeps ? VictimL3Bytes() / 2 : 0.0);
+  return touched > retained;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -1,5 +1,12 @@
 #include "kernels/cache_probe.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define FBN_X86_CPUID 1
+#else
+#define FBN_X86_CPUID 0
+#endif
+
 #include <chrono>
 #include <cstdint>
 
@@ -24,6 +31,28 @@ bool LinesInCoreCache(const void* const* lines) {
   }
   const auto elapsed = std::chrono::steady_clock::now() - start;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count() < kMissNanoseconds;
+}
+
+double VictimL3Bytes() {
+  static const double bytes = [] {
+#if FBN_X86_CPUID
+    if (!__builtin_cpu_is("amd")) return 0.0;
+    unsigned max_leaf = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(0x80000000u, &max_leaf, &ebx, &ecx, &edx) || max_leaf < 0x8000001Du) {
+      return 0.0;
+    }
+    // One subleaf per cache until type 0; size = ways * partitions * line * sets.
+    for (unsigned i = 0; i < 8; ++i) {
+      unsigned eax = 0;
+      if (!__get_cpuid_count(0x8000001Du, i, &eax, &ebx, &ecx, &edx) || (eax & 31u) == 0) break;
+      if (((eax >> 5) & 7u) != 3) continue;
+      return static_cast<double>((ebx >> 22) + 1) * static_cast<double>(((ebx >> 12) & 1023u) + 1) *
+             static_cast<double>((ebx & 4095u) + 1) * (static_cast<double>(ecx) + 1);
+    }
+#endif
+    return 0.0;
+  }();
+  return bytes;
 }
 
 }  // namespace fbn::kernels

@@ -11,12 +11,15 @@
 #endif
 
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <vector>
 
 namespace {
 
 using fbn::kernels::kProbeLines;
 using fbn::kernels::LinesInCoreCache;
+using fbn::kernels::VictimL3Bytes;
 
 constexpr int kTries = 20;
 
@@ -54,5 +57,38 @@ TEST(CacheProbe, FlushedLinesAreMissing) {
   EXPECT_GT(missing, 0);
 }
 #endif
+
+// Linux's view of the same caches: cpu0's level-3 cache size in bytes, 0 when sysfs has none.
+double SysfsL3Bytes() {
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    int level = 0;
+    std::string size;
+    if (!(std::ifstream(dir + "level") >> level) || level != 3) continue;
+    if (!(std::ifstream(dir + "size") >> size) || size.empty()) return 0;
+    const double scale = size.back() == 'K' ? 1024.0 : size.back() == 'M' ? 1048576.0 : 1.0;
+    return std::stod(size) * scale;
+  }
+  return 0;
+}
+
+bool CpuIsAmd() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("vendor_id", 0) == 0) return line.find("AuthenticAMD") != std::string::npos;
+  }
+  return false;
+}
+
+TEST(CacheTopology, VictimL3IsTheAmdL3AndNothingElsewhere) {
+  if (!CpuIsAmd()) {
+    EXPECT_EQ(VictimL3Bytes(), 0.0);
+    return;
+  }
+  const double sysfs = SysfsL3Bytes();
+  if (sysfs == 0) GTEST_SKIP() << "no L3 in sysfs to compare with";
+  EXPECT_EQ(VictimL3Bytes(), sysfs);
+}
 
 }  // namespace
