@@ -11,6 +11,7 @@
 #include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/cache_probe.h"
 #include "kernels/convert.h"
 #include "kernels/kernel_table.h"
 
@@ -407,6 +408,19 @@ HWY_INLINE void CorrectedBlock(double n, double m, double sum_d, double sum_d2, 
 // operations and their order are those of a row-by-row sweep, so the strip width never changes
 // the result.
 constexpr int kStripVectors = 4;
+
+// Whether streamed float rows of C channels (N lanes a vector) are written in row order, the
+// coefficients reloaded from L1, instead of strip by strip. On Zen 4 (where VictimL3Bytes() is
+// non-zero) a strip's pass down the rows of a block reads from DRAM at a stride the prefetchers
+// follow poorly: rows of two or more whole strips up to 512 channels measured faster in row order
+// (warm, 8 alternating rounds: inference 32x256x56x56 6.3 -> 5.0 ms, 32x512x28x28 3.3 -> 2.2,
+// 96x384x17x17 2.4 -> 2.0; training gradient 32x256x56x56 21.6 -> 15.7), rows of one strip and
+// a bit (C <= 96) no faster, and wider rows slower (1024 and 2048 channels: 0.8-0.97x, the
+// three or four coefficient arrays then fill L1 as in the Xeon case of ApplyRows).
+inline bool FloatRowsStreamInRowOrder(int64_t C, int64_t N) {
+  static const bool zen = VictimL3Bytes() > 0;
+  return zen && C >= 2 * kStripVectors * N && C <= 512;
+}
 
 // Pass 1 of a block for the strip at channel c: bm = K + Σ(x - K)/nb with K the block's first row.
 #if FBN_BF16_PAIRS
@@ -939,10 +953,10 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   // Streaming needs every stored vector aligned: whole-vector rows from an aligned start.
   const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, y + r0 * C);
-  if (!nt || sizeof(T) >= 4) {
+  if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
-    // in row order measured 1.35x slower (32x56x56x256, two threads) than strip by strip.
+    // in row order measured 1.35x slower (Xeon, 32x56x56x256, two threads) than strip by strip.
     const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
       StripApply<decltype(k)::value>(d, x, C, c, r0, r1, mean, a, b, y, nt);
     });
@@ -1478,7 +1492,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
-  if (!nt || sizeof(T) >= 4) {
+  if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
     // Strips with the coefficients in registers, as in ApplyRows.
     const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
       StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
