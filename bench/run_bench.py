@@ -441,13 +441,17 @@ def run_copy(args, out_dir):
     # Reference for "% of copy BW": the better of the two 2-thread DRAM copies (normally NT).
     cands = [v for v in (copy["copy_nt"], copy["copy_regular"]) if v]
     copy["ref"] = max(cands) if cands else None
-    # Effective LLC: the largest size whose read bandwidth is still clearly (1.3x) above DRAM's.
+    # Effective LLC: the sizes up to the first whose read bandwidth is no longer clearly (1.3x)
+    # above DRAM's. Not the largest size above it: on a shared host a single larger sweep can
+    # read fast by chance (20261203-091909-full: 256 MB at 49.8 GB/s after 64 MB at 41.6 and
+    # 128 MB at 31.9), which would leave no DRAM-sized shape to check the targets on.
     sizes = sorted({k[1] for k in bw if k[0] == "read" and k[2] == 2})
     llc = None
     if copy["read"]:
         for s in sizes:
-            if s != dram_mb and bw[("read", s, 2)] > 1.3 * copy["read"]:
-                llc = s
+            if s == dram_mb or bw[("read", s, 2)] <= 1.3 * copy["read"]:
+                break
+            llc = s
     copy["llc_eff_mb"] = llc
     # DRAM-sized: at or above the first sweep size whose read bandwidth is DRAM's.
     above = [x for x in sizes if llc is not None and x > llc]
