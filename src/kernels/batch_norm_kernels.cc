@@ -418,8 +418,7 @@ constexpr int kStripVectors = 4;
 // a bit (C <= 96) no faster, and wider rows slower (1024 and 2048 channels: 0.8-0.97x, the
 // three or four coefficient arrays then fill L1 as in the Xeon case of ApplyRows).
 inline bool FloatRowsStreamInRowOrder(int64_t C, int64_t N) {
-  static const bool zen = VictimL3Bytes() > 0;
-  return zen && C >= 2 * kStripVectors * N && C <= 512;
+  return C >= 2 * kStripVectors * N && C <= 512 && VictimL3Bytes() > 0;
 }
 
 // Pass 1 of a block for the strip at channel c: bm = K + Σ(x - K)/nb with K the block's first row.
