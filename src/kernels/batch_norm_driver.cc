@@ -63,11 +63,17 @@ bool StreamLines(const KernelEntry& e) {
   return e.stream_unit_bytes > 0 && e.stream_unit_bytes % kCacheLineBytes == 0;
 }
 
-// `reads_only`: the sweep writes nothing (statistics, the training gradient's sums).
-bool PrefetchStats(const Geometry& g, size_t elem_bytes, bool reads_only) {
+// How a channels-last reduction reads its input (RowRead). `reads_only`: the sweep writes nothing
+// (statistics, the training gradient's sums). Where the L3 is a victim cache, tensors over half
+// of it count as read from DRAM, as for StreamOutput.
+RowRead RowReadOf(const Geometry& g, size_t elem_bytes, bool reads_only) {
   const double elements = static_cast<double>(g.elements());
-  return elements * static_cast<double>(elem_bytes) >= kPrefetchStatsBytes ||
-         (reads_only && elements >= kPrefetchStatsElements);
+  const double bytes = elements * static_cast<double>(elem_bytes);
+  if (bytes >= kPrefetchStatsBytes || (reads_only && elements >= kPrefetchStatsElements)) {
+    return RowRead::kPrefetch;
+  }
+  const double l3 = VictimL3Bytes();
+  return l3 > 0 && bytes > l3 / 2 ? RowRead::kDram : RowRead::kCached;
 }
 
 // The L2 size of one core (sysconf; 1 MB where it is not reported).
@@ -580,7 +586,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
-    const bool prefetch = PrefetchStats(g, es, true);
+    const RowRead read = RowReadOf(g, es, true);
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -588,7 +594,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
       double* s = partial + slot * static_cast<size_t>(rt);
       const int64_t r0 = rt * p.rows_per_task;
       e.stats_rows(x, C, c0, std::min(C, c0 + p.width), r0, std::min(rows, r0 + p.rows_per_task), s,
-                   s + C, s + 2 * C, prefetch);
+                   s + C, s + 2 * C, read);
     });
     MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, 0, C, mean, variance);
     return;
@@ -699,7 +705,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
-    const bool prefetch = PrefetchStats(g, es, k1 == nullptr);
+    const RowRead read = RowReadOf(g, es, k1 == nullptr);
     const bool in_tasks = p.row_tasks == 1;
     if (!in_tasks) prepare(0, C);
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -709,7 +715,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
       const int64_t r0 = rt * p.rows_per_task;
       if (in_tasks) prepare(c0, c1);
       e.reduce_rows(dy, x, C, c0, c1, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
-                    dx, s + 2 * C, stream, prefetch);
+                    dx, s + 2 * C, stream, read);
       if (in_tasks) {
         MergeRowSums(p, C, partial, slot, c0, c1, sum_dy, sum_dy_xc);
         finish(c0, c1);
@@ -984,7 +990,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   double* partial = Scratch(slot);
   threading::ParallelFor(p.groups, threads, [&](int64_t t) {
     const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
-    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, false);
+    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, RowRead::kCached);
     MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, c0, c1, mean, variance);
     ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     finish(c0, c1);
@@ -1081,7 +1087,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
       const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
       prepare(c0, c1);
       e.reduce_rows(dy, x, C, c0, c1, 0, rows, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, tmp,
-                    false, false);
+                    false, RowRead::kCached);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       finish(c0, c1);
       e.backward_apply_rows(dy, x, C, c0, c1, 0, rows, k_mean, k1, k2, k0, dx, stream);

@@ -8,13 +8,20 @@
 
 namespace fbn::kernels {
 
+// How a channels-last reduction reads its input, decided by the driver from the tensor's size.
+enum class RowRead : uint8_t {
+  kCached,    // the tensor may be in cache
+  kDram,      // larger than the last-level cache keeps: rows come from DRAM
+  kPrefetch,  // from DRAM, and software prefetches of the next block help
+};
+
 struct KernelEntry {
   // Channels-last kernels work on rows [r0, r1) and channels [c0, c1) of rows of C channels;
   // their per-channel arrays are indexed by channel.
   // Statistics: per-channel mean and M2 of the range. tmp: 3·C accumulators of scratch.
-  // `prefetch`: x comes from DRAM; software prefetches help the first pass.
+  // `read`: where x comes from (RowRead).
   void (*stats_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
-                     double* mean, double* m2, void* tmp, bool prefetch);
+                     double* mean, double* m2, void* tmp, RowRead read);
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);
@@ -28,10 +35,10 @@ struct KernelEntry {
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
-  // accumulators of scratch. `prefetch` as for stats_rows.
+  // accumulators of scratch. `read` as for stats_rows.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0,
                       int64_t r1, const void* mean, double* sum_dy, double* sum_dy_xc,
-                      const void* k1, void* dx, void* tmp, bool stream, bool prefetch);
+                      const void* k1, void* dx, void* tmp, bool stream, RowRead read);
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,
                      double* sum_dy_xc, const void* k1, void* dx, bool stream);

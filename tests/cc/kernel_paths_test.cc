@@ -4,6 +4,7 @@
 // coefficients, for shapes that take each path.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -12,6 +13,7 @@
 
 #include "fbn/fbn.h"
 #include "kernels/batch_norm_kernels.h"
+#include "kernels/kernel_table.h"
 #include "test_util.h"
 
 namespace fbn_test {
@@ -170,6 +172,47 @@ TEST_P(SwappedLayoutTest, MatchOtherLayoutOfTransposedTensors) {
   EXPECT_TRUE(SameDoubles(s_dy, s_dy2)) << "frozen sum dy";
   EXPECT_TRUE(SameDoubles(s_dyxc, s_dyxc2)) << "frozen sum dy(x - m)";
   EXPECT_TRUE(dx.BytesEqual(back(dx2))) << "frozen dx";
+}
+
+// Channels-last statistics block their rows by where x is read from (RowRead): rows of 4 KB
+// multiples read from DRAM take short blocks. Every block size must give each channel's mean and
+// centred sum of squares to within float rounding of a float64 two-pass reference, also for a mean
+// far from zero and a last block that is partial.
+TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
+  using fbn::kernels::RowRead;
+  for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
+    const int64_t C = t == DataType::kFloat32 ? 1024 : 2048;  // 4 KB rows
+    const int64_t rows = 203;
+    std::mt19937 rng(9);
+    const HostTensor x = RandomTensor(t, Shape{rows * C}, 99.0, 101.0, &rng);
+    std::vector<double> ref_mean(C, 0.0), ref_m2(C, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < C; ++c) ref_mean[c] += x.Get(r * C + c);
+    }
+    for (int64_t c = 0; c < C; ++c) ref_mean[c] /= static_cast<double>(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < C; ++c) {
+        const double d = x.Get(r * C + c) - ref_mean[c];
+        ref_m2[c] += d * d;
+      }
+    }
+    const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+    for (RowRead read : {RowRead::kCached, RowRead::kDram, RowRead::kPrefetch}) {
+      SCOPED_TRACE(DTypeTag(t) + " read hint " + std::to_string(static_cast<int>(read)));
+      std::vector<double> mean(C), m2(C), tmp(3 * C);
+      entry.stats_rows(x.data(), C, 0, C, 0, rows, mean.data(), m2.data(), tmp.data(), read);
+      int bad = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const bool ok = std::abs(mean[c] - ref_mean[c]) <= 2e-5 &&
+                        std::abs(m2[c] - ref_m2[c]) <= 1e-4 * ref_m2[c];
+        if (!ok && ++bad <= 3) {
+          ADD_FAILURE() << "channel " << c << ": mean " << mean[c] << " vs " << ref_mean[c]
+                        << ", M2 " << m2[c] << " vs " << ref_m2[c];
+        }
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -46,6 +46,9 @@ const Workload kWorkloads[] = {
     // Channels-first small planes: channels-last copies, and 1x1 planes as channels-last memory.
     {"nchw_2x2_planes", TensorFormat::kNCHW, {64, 512, 2, 2}},
     {"nchw_1x1_planes", TensorFormat::kNCHW, {256, 2048, 1, 1}},
+    // 4 KB float rows in a 17.8 MB tensor: over half a victim L3 (Zen 4), so its statistics read
+    // as from DRAM, in 16-row blocks.
+    {"nhwc_dram_page_rows", TensorFormat::kNHWC, {17, 16, 16, 1024}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
