@@ -63,19 +63,6 @@ bool StreamLines(const KernelEntry& e) {
   return e.stream_unit_bytes > 0 && e.stream_unit_bytes % kCacheLineBytes == 0;
 }
 
-// How a channels-last reduction reads its input (RowRead). `reads_only`: the sweep writes nothing
-// (statistics, the training gradient's sums). Where the L3 is a victim cache, tensors over half
-// of it count as read from DRAM, as for StreamOutput.
-RowRead RowReadOf(const Geometry& g, size_t elem_bytes, bool reads_only) {
-  const double elements = static_cast<double>(g.elements());
-  const double bytes = elements * static_cast<double>(elem_bytes);
-  if (bytes >= kPrefetchStatsBytes || (reads_only && elements >= kPrefetchStatsElements)) {
-    return RowRead::kPrefetch;
-  }
-  const double l3 = VictimL3Bytes();
-  return l3 > 0 && bytes > l3 / 2 ? RowRead::kDram : RowRead::kCached;
-}
-
 // The L2 size of one core (sysconf; 1 MB where it is not reported).
 double L2Bytes() {
   static const double bytes = [] {
@@ -83,6 +70,21 @@ double L2Bytes() {
     return l2 > 0 ? static_cast<double>(l2) : 1024.0 * 1024;
   }();
   return bytes;
+}
+
+// Where a channels-last pass's rows come from (RowRead). `tensors`: how many tensors of g's size
+// the pass and the one it feeds touch (statistics then apply: 2; gradient sums then dx: 3).
+// `reads_only`: the sweep writes nothing (statistics, the training gradient's sums). Where the L3
+// is a victim cache, tensors over half of it count as read from DRAM, as for StreamOutput.
+RowRead RowReadOf(const Geometry& g, size_t elem_bytes, int tensors, bool reads_only, int threads) {
+  const double elements = static_cast<double>(g.elements());
+  const double bytes = elements * static_cast<double>(elem_bytes);
+  if (bytes >= kPrefetchStatsBytes || (reads_only && elements >= kPrefetchStatsElements)) {
+    return RowRead::kPrefetch;
+  }
+  const double l3 = VictimL3Bytes();
+  if (l3 > 0 && bytes > l3 / 2) return RowRead::kDram;
+  return tensors * bytes <= threads * L2Bytes() ? RowRead::kL2 : RowRead::kL3;
 }
 
 // Outputs bypass the cache with streaming stores once the tensors a call touches (`tensors` of
@@ -586,7 +588,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
-    const RowRead read = RowReadOf(g, es, true);
+    const RowRead read = RowReadOf(g, es, 2, true, threads);
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -660,9 +662,10 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
   if (g.channels_last) {
+    const RowRead read = RowReadOf(g, es, 2, false, threads);
     ForEachApplyRange(g.n * g.s, static_cast<double>(g.c * es), 1, threads,
                       [&](int64_t r0, int64_t r1) {
-                        e.apply_rows(x, g.c, 0, g.c, r0, r1, mean, a, b, y, stream);
+                        e.apply_rows(x, g.c, 0, g.c, r0, r1, mean, a, b, y, stream, read);
                       });
   } else {
     ForEachApplyRange(
@@ -705,7 +708,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
-    const RowRead read = RowReadOf(g, es, k1 == nullptr);
+    const RowRead read = RowReadOf(g, es, 3, k1 == nullptr, threads);
     const bool in_tasks = p.row_tasks == 1;
     if (!in_tasks) prepare(0, C);
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -985,16 +988,17 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   const bool stream = StreamStores(g, es, 2, threads, kProbeBytes, probe);
   const int64_t C = g.c, rows = g.n * g.s;
   const RowPartition p = PartitionRows(rows, C, static_cast<double>(es), true);
+  const RowRead read = RowReadOf(g, es, 2, true, threads);
   // One row range: the groups share one slot of partials (their channels are disjoint).
   const size_t slot = static_cast<size_t>(5 * C);
   double* partial = Scratch(slot);
   threading::ParallelFor(p.groups, threads, [&](int64_t t) {
     const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
-    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, RowRead::kCached);
+    e.stats_rows(x, C, c0, c1, 0, rows, partial, partial + C, partial + 2 * C, read);
     MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, c0, c1, mean, variance);
     ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     finish(c0, c1);
-    e.apply_rows(x, C, c0, c1, 0, rows, k_mean, k_a, k_b, y, stream);
+    e.apply_rows(x, C, c0, c1, 0, rows, k_mean, k_a, k_b, y, stream, read);
   });
 }
 
@@ -1082,12 +1086,13 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe);
     const int64_t C = g.c, rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es), true);
+    const RowRead read = RowReadOf(g, es, 3, true, threads);
     double* tmp = Scratch(2 * static_cast<size_t>(C));
     threading::ParallelFor(p.groups, threads, [&](int64_t t) {
       const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
       prepare(c0, c1);
       e.reduce_rows(dy, x, C, c0, c1, 0, rows, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, tmp,
-                    false, RowRead::kCached);
+                    false, read);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       finish(c0, c1);
       e.backward_apply_rows(dy, x, C, c0, c1, 0, rows, k_mean, k1, k2, k0, dx, stream);

@@ -388,7 +388,8 @@ HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes, int tensors, R
   constexpr int64_t kPageBytes = 4096;
   constexpr int64_t kDramPageRowsBlock = 16;
   const int64_t row_bytes = channels * static_cast<int64_t>(elem_bytes);
-  if (tensors == 1 && read != RowRead::kCached && row_bytes > 0 && row_bytes % kPageBytes == 0) {
+  const bool dram = read == RowRead::kDram || read == RowRead::kPrefetch;
+  if (tensors == 1 && dram && row_bytes > 0 && row_bytes % kPageBytes == 0) {
     return kDramPageRowsBlock;
   }
   const int64_t rows = kBlockBytes / (row_bytes > 0 ? tensors * row_bytes : 1);
@@ -419,6 +420,25 @@ HWY_INLINE void CorrectedBlock(double n, double m, double sum_d, double sum_d2, 
 // operations and their order are those of a row-by-row sweep, so the strip width never changes
 // the result.
 constexpr int kStripVectors = 4;
+// Where a strip's registers allow (AVX-512's 32 vector registers, not AVX2's 16), some kernels
+// take strips of eight vectors for rows from beyond L2: whole rows of up to 128 channels
+// (bfloat16: 256 bytes), or longer runs of wider rows, are then one pass down the block, which the
+// prefetchers follow from L3 and DRAM better than four-vector strips splitting each row's lines
+// between passes. Measured on Zen 4 (alternating calls, 2 threads): bfloat16 statistics
+// 0.87-0.96x the time on 2-15 MB GoogLeNet and ResNet-50 tensors, bfloat16 apply with regular
+// stores 0.73-0.92x (96x17x17x128 170 -> 125 us), float gradient sums 0.70-0.96x (32x56x56x256
+// training gradient 15.5 -> 13.1 ms). In L2 they were slower (batch-1 14x14x256 and 14x14x512
+// bfloat16 training forward 1.1-1.18x), hence RowRead::kL2. Float statistics and apply, the
+// backward apply and the bfloat16 sums (0.87-1.06x, 0.99-1.04x, 0.95-1.04x, 1.55x slower: its
+// pairs need more registers) keep four.
+constexpr int kWideStripVectors =
+    (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) ? 2 * kStripVectors : kStripVectors;
+template <typename T>
+constexpr int kStatsStripVectors = std::is_same_v<T, BFloat16> ? kWideStripVectors : kStripVectors;
+template <typename T>
+constexpr int kApplyStripVectors = kStatsStripVectors<T>;
+template <typename T>
+constexpr int kReduceStripVectors = std::is_same_v<T, float> ? kWideStripVectors : kStripVectors;
 
 // Whether streamed float rows of C channels (N lanes a vector) are written in row order, the
 // coefficients reloaded from L1, instead of strip by strip. On Zen 4 (where VictimL3Bytes() is
@@ -584,29 +604,32 @@ HWY_INLINE void StripDeviations(D d, const T* x, int64_t C, int64_t c, int64_t b
   }
 }
 
-// Calls f(integral_constant<K>, c) for the whole-vector channels of [c0, c1) in strips of
-// kStripVectors vectors, then one narrower strip; returns the first channel left for scalar code.
-template <class D, class F>
+// Calls f(integral_constant<K>, c) with K = vectors, for a strip narrower than the widest.
+template <int K, class F>
+HWY_INLINE void NarrowStrip(int64_t vectors, int64_t c, F& f) {
+  if constexpr (K >= 1) {
+    if (vectors == K) return f(std::integral_constant<int, K>(), c);
+    NarrowStrip<K - 1>(vectors, c, f);
+  }
+}
+
+// Calls f(integral_constant<K>, c) for the whole-vector channels of [c0, c1) in strips of kMax
+// vectors, then one narrower strip; returns the first channel left for scalar code.
+template <int kMax, class D, class F>
 HWY_INLINE int64_t ForEachStrip(D d, int64_t c0, int64_t c1, F&& f) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t cv = c0 + (c1 - c0) / N * N;
   int64_t c = c0;
-  for (; c + kStripVectors * N <= cv; c += kStripVectors * N)
-    f(std::integral_constant<int, kStripVectors>(), c);
-  switch ((cv - c) / N) {
-    case 3:
-      f(std::integral_constant<int, 3>(), c);
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>(), c);
-      break;
-    case 1:
-      f(std::integral_constant<int, 1>(), c);
-      break;
-    default:
-      break;
-  }
+  for (; c + kMax * N <= cv; c += kMax * N) f(std::integral_constant<int, kMax>(), c);
+  NarrowStrip<kMax - 1>((cv - c) / N, c, f);
   return cv;
+}
+
+// ForEachStrip with kWide-vector strips for rows from beyond L2, else kStripVectors.
+template <int kWide, class D, class F>
+HWY_INLINE int64_t ForEachStripFor(RowRead read, D d, int64_t c0, int64_t c1, F&& f) {
+  if (read == RowRead::kL2) return ForEachStrip<kStripVectors>(d, c0, c1, f);
+  return ForEachStrip<kWide>(d, c0, c1, f);
 }
 
 // Channels-last: statistics of rows [r0, r1) and channels [c0, c1) of rows of C channels.
@@ -630,10 +653,11 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
     const A nb = static_cast<A>(b1 - b0);
     const auto vinv = hn::Set(d, A(1) / nb);
-    const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+    const auto strip = [&](auto k, int64_t c) {
       StripMean<decltype(k)::value>(d, x, C, c, b0, b1, prefetch_end, vinv, bm);
       StripDeviations<decltype(k)::value>(d, x, C, c, b0, b1, bm, bd, bd2);
-    });
+    };
+    const int64_t cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, strip);
     if (cv < c1) {
       const T* pivot = x + b0 * C;
       for (int64_t c = cv; c < c1; ++c) bm[c] = bd[c] = bd2[c] = A(0);
@@ -962,7 +986,8 @@ HWY_INLINE void StripApply(D d, const T* x, int64_t C, int64_t c, int64_t r0, in
 // Channels-last: rows [r0, r1), channels [c0, c1).
 template <typename T>
 void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
-               const void* mv, const void* av, const void* bv, void* yv, bool stream) {
+               const void* mv, const void* av, const void* bv, void* yv, bool stream,
+               RowRead read) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
@@ -977,9 +1002,10 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
     // in row order measured 1.35x slower (Xeon, 32x56x56x256, two threads) than strip by strip.
-    const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+    const auto strip = [&](auto k, int64_t c) {
       StripApply<decltype(k)::value>(d, x, C, c, r0, r1, mean, a, b, y, nt);
-    });
+    };
+    const int64_t cv = ForEachStripFor<kApplyStripVectors<T>>(read, d, c0, c1, strip);
     if constexpr (kMaskedTails<T>) {
       if (cv < c1) {
         const int64_t n = c1 - cv;
@@ -1224,9 +1250,10 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
         }
       }
     } else {
-      cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+      const auto strip = [&](auto k, int64_t c) {
         StripReduce<decltype(k)::value>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
-      });
+      };
+      cv = ForEachStripFor<kReduceStripVectors<T>>(read, d, c0, c1, strip);
     }
     if (cv < c1) {
       for (int64_t c = cv; c < c1; ++c) s[c] = t[c] = A(0);
@@ -1514,9 +1541,10 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
   if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
     // Strips with the coefficients in registers, as in ApplyRows.
-    const int64_t cv = ForEachStrip(d, c0, c1, [&](auto k, int64_t c) {
+    const auto strip = [&](auto k, int64_t c) {
       StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
-    });
+    };
+    const int64_t cv = ForEachStrip<kStripVectors>(d, c0, c1, strip);
     if constexpr (kMaskedTails<T>) {
       if (cv < c1) {
         const int64_t n = c1 - cv;

@@ -8,9 +8,10 @@
 
 namespace fbn::kernels {
 
-// How a channels-last reduction reads its input, decided by the driver from the tensor's size.
+// Where a channels-last kernel's rows come from, decided by the driver from the tensor's size.
 enum class RowRead : uint8_t {
-  kCached,    // the tensor may be in cache
+  kL2,        // the call's tensors fit the threads' L2 caches
+  kL3,        // larger: from the last-level cache, or beyond it
   kDram,      // larger than the last-level cache keeps: rows come from DRAM
   kPrefetch,  // from DRAM, and software prefetches of the next block help
 };
@@ -31,7 +32,8 @@ struct KernelEntry {
                      double* mean, double* m2);
   // Element-wise writers take `stream`: bypass the cache for outputs larger than it.
   void (*apply_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
-                     const void* mean, const void* a, const void* b, void* y, bool stream);
+                     const void* mean, const void* a, const void* b, void* y, bool stream,
+                     RowRead read);
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C

@@ -175,7 +175,8 @@ TEST_P(SwappedLayoutTest, MatchOtherLayoutOfTransposedTensors) {
 }
 
 // Channels-last statistics block their rows by where x is read from (RowRead): rows of 4 KB
-// multiples read from DRAM take short blocks. Every block size must give each channel's mean and
+// multiples read from DRAM take short blocks, rows from beyond L2 wider strips. Every choice must
+// give each channel's mean and
 // centred sum of squares to within float rounding of a float64 two-pass reference, also for a mean
 // far from zero and a last block that is partial.
 TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
@@ -197,7 +198,7 @@ TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
       }
     }
     const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
-    for (RowRead read : {RowRead::kCached, RowRead::kDram, RowRead::kPrefetch}) {
+    for (RowRead read : {RowRead::kL2, RowRead::kL3, RowRead::kDram, RowRead::kPrefetch}) {
       SCOPED_TRACE(DTypeTag(t) + " read hint " + std::to_string(static_cast<int>(read)));
       std::vector<double> mean(C), m2(C), tmp(3 * C);
       entry.stats_rows(x.data(), C, 0, C, 0, rows, mean.data(), m2.data(), tmp.data(), read);

@@ -49,6 +49,9 @@ const Workload kWorkloads[] = {
     // 4 KB float rows in a 17.8 MB tensor: over half a victim L3 (Zen 4), so its statistics read
     // as from DRAM, in 16-row blocks.
     {"nhwc_dram_page_rows", TensorFormat::kNHWC, {17, 16, 16, 1024}},
+    // 160 channels in 1.5-2.9 MB: beyond one thread's L2 (wide strips), within seven threads' L2s
+    // (four-vector strips); the strip width must not change a value.
+    {"nhwc_strip_widths", TensorFormat::kNHWC, {8, 24, 24, 160}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
