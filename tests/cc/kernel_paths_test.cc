@@ -174,11 +174,11 @@ TEST_P(SwappedLayoutTest, MatchOtherLayoutOfTransposedTensors) {
   EXPECT_TRUE(dx.BytesEqual(back(dx2))) << "frozen dx";
 }
 
-// Channels-last statistics block their rows by where x is read from (RowRead): rows of 4 KB
-// multiples read from DRAM take short blocks, rows from beyond L2 wider strips. Every choice must
-// give each channel's mean and
-// centred sum of squares to within float rounding of a float64 two-pass reference, also for a mean
-// far from zero and a last block that is partial.
+// Channels-last reductions adapt to where their rows come from (RowRead): statistics of rows of
+// 4 KB multiples read from DRAM take short blocks, and rows from beyond L2 wider strips (AVX-512).
+// Every hint must give each channel's mean and centred sum of squares to within float rounding of
+// a float64 two-pass reference, also for a mean far from zero and a partial last block; hints that
+// change only the strip width or the prefetching must give the same bits.
 TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
   using fbn::kernels::RowRead;
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
@@ -198,10 +198,13 @@ TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
       }
     }
     const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+    std::vector<std::vector<double>> results;
     for (RowRead read : {RowRead::kL2, RowRead::kL3, RowRead::kDram, RowRead::kPrefetch}) {
       SCOPED_TRACE(DTypeTag(t) + " read hint " + std::to_string(static_cast<int>(read)));
       std::vector<double> mean(C), m2(C), tmp(3 * C);
       entry.stats_rows(x.data(), C, 0, C, 0, rows, mean.data(), m2.data(), tmp.data(), read);
+      results.push_back(mean);
+      results.push_back(m2);
       int bad = 0;
       for (int64_t c = 0; c < C; ++c) {
         const bool ok = std::abs(mean[c] - ref_mean[c]) <= 2e-5 &&
@@ -212,6 +215,51 @@ TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
         }
       }
       EXPECT_EQ(bad, 0);
+    }
+    // Strip widths (kL2 and kL3) and prefetching (kDram and kPrefetch) change no bits.
+    EXPECT_TRUE(SameDoubles(results[0], results[2]) && SameDoubles(results[1], results[3]))
+        << DTypeTag(t) << ": kL2 and kL3 statistics differ";
+    EXPECT_TRUE(SameDoubles(results[4], results[6]) && SameDoubles(results[5], results[7]))
+        << DTypeTag(t) << ": kDram and kPrefetch statistics differ";
+  }
+}
+
+// The gradient sums take wider strips from beyond L2 too: the same bits either way, with and
+// without dx written in the same sweep (the frozen gradient).
+TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
+  using fbn::kernels::RowRead;
+  for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
+    const int64_t C = 200, rows = 150;  // 12.5 vectors of float: wide, narrow and masked strips
+    std::mt19937 rng(13);
+    const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
+    const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
+    const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
+    const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+    const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+    for (bool frozen : {false, true}) {
+      SCOPED_TRACE(DTypeTag(t) + (frozen ? " frozen" : " sums only"));
+      std::vector<double> s_dy[2], s_dyxc[2];
+      HostTensor dx[2] = {HostTensor(t, Shape{rows * C}), HostTensor(t, Shape{rows * C})};
+      int i = 0;
+      for (RowRead read : {RowRead::kL2, RowRead::kL3}) {
+        std::vector<double> tmp(2 * C);
+        s_dy[i].resize(C);
+        s_dyxc[i].resize(C);
+        dx[i].FillBytes(0);
+        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, mean.data(), s_dy[i].data(),
+                          s_dyxc[i].data(), frozen ? k1.data() : nullptr,
+                          frozen ? dx[i].data() : nullptr, tmp.data(), false, read);
+        ++i;
+      }
+      EXPECT_TRUE(SameDoubles(s_dy[0], s_dy[1])) << "sum dy";
+      EXPECT_TRUE(SameDoubles(s_dyxc[0], s_dyxc[1])) << "sum dy(x - m)";
+      EXPECT_TRUE(dx[0].BytesEqual(dx[1])) << "dx";
+      // And the sums are the sums.
+      for (int64_t c = 0; c < C; c += 37) {
+        double ref = 0;
+        for (int64_t r = 0; r < rows; ++r) ref += dy.Get(r * C + c);
+        EXPECT_NEAR(s_dy[0][c], ref, 1e-4) << "channel " << c;
+      }
     }
   }
 }
