@@ -428,17 +428,22 @@ constexpr int kStripVectors = 4;
 // 0.87-0.96x the time on 2-15 MB GoogLeNet and ResNet-50 tensors, bfloat16 apply with regular
 // stores 0.73-0.92x (96x17x17x128 170 -> 125 us), float gradient sums 0.70-0.96x (32x56x56x256
 // training gradient 15.5 -> 13.1 ms). In L2 they were slower (batch-1 14x14x256 and 14x14x512
-// bfloat16 training forward 1.1-1.18x), hence RowRead::kL2. Float statistics and apply, the
-// backward apply and the bfloat16 sums (0.87-1.06x, 0.99-1.04x, 0.95-1.04x, 1.55x slower: its
-// pairs need more registers) keep four.
+// bfloat16 training forward 1.1-1.18x), hence RowRead::kL2. The bfloat16 sums take six: their
+// pairs need more registers (eight measured 1.55x slower), six 0.79-0.96x (training gradient
+// 0.87-0.95x). Float statistics and apply and the backward apply (0.87-1.06x, 0.99-1.04x,
+// 0.95-1.04x) keep four.
 constexpr int kWideStripVectors =
     (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) ? 2 * kStripVectors : kStripVectors;
+// The bfloat16 sums' pair kernels hold more per vector: six where eight fit elsewhere.
+constexpr int kWidePairStripVectors = kWideStripVectors > kStripVectors ? 6 : kStripVectors;
 template <typename T>
 constexpr int kStatsStripVectors = std::is_same_v<T, BFloat16> ? kWideStripVectors : kStripVectors;
 template <typename T>
 constexpr int kApplyStripVectors = kStatsStripVectors<T>;
 template <typename T>
-constexpr int kReduceStripVectors = std::is_same_v<T, float> ? kWideStripVectors : kStripVectors;
+constexpr int kReduceStripVectors = std::is_same_v<T, float>      ? kWideStripVectors
+                                    : std::is_same_v<T, BFloat16> ? kWidePairStripVectors
+                                                                  : kStripVectors;
 
 // Whether streamed float rows of C channels (N lanes a vector) are written in row order, the
 // coefficients reloaded from L1, instead of strip by strip. On Zen 4 (where VictimL3Bytes() is
