@@ -120,12 +120,13 @@ void RunForward(OpVersion version, const FusedBatchNormInputs& in, const FusedBa
     const double n = static_cast<double>(g.per_channel());
     const double bessel = n / std::max(n - 1.0, 1.0);
     // Run by the kernel in the tasks that own the channels (see kernels::ChannelStep).
+    // With factor 1 the old statistics are not read and may be empty (null): no offset then.
+    const bool blend = attrs.exponential_avg_factor != 1.0f;
     auto outputs = [&](int64_t c0, int64_t c1) {
       kernels::TrainingOutputs(std::is_same_v<U, double>, c1 - c0, mean_d + c0, var_d + c0,
-                               old_mean + c0, old_var + c0, bessel,
-                               static_cast<double>(attrs.exponential_avg_factor),
-                               attrs.exponential_avg_factor != 1.0f, batch_mean + c0,
-                               batch_var + c0, rs1 + c0, rs2 + c0);
+                               blend ? old_mean + c0 : nullptr, blend ? old_var + c0 : nullptr,
+                               bessel, static_cast<double>(attrs.exponential_avg_factor), blend,
+                               batch_mean + c0, batch_var + c0, rs1 + c0, rs2 + c0);
     };
     kernels::ForwardTraining(in.x.dtype, g, in.x.data, scale, offset, eps, mean_d, var_d, k_mean,
                              k_a, k_b, out.y.data, kernels::StepFor(outputs));

@@ -163,6 +163,48 @@ TEST_P(ThreadCountTest, BitIdenticalForAnyThreadCount) {
   }
 }
 
+// TensorFlow passes an empty mean and variance to training with factor 1, which does not read
+// them: null data then, which no channel task may offset (the fuzzer's UBSan finding). Channels
+// split into tasks in both layouts; same bits as with the running statistics given.
+TEST(ThreadCount, TrainingWithoutRunningStatistics) {
+  for (const Workload& w : {kWorkloads[2], kWorkloads[4], kWorkloads[6]}) {
+    SCOPED_TRACE(w.name);
+    const Inputs in = MakeInputs(DataType::kFloat32, w, 3);
+    fbn::FusedBatchNormAttrs attrs;
+    attrs.data_format = w.format;
+    ForwardIO want;
+    want.x = in.x;
+    want.scale = in.scale;
+    want.offset = in.offset;
+    want.mean = in.mean;
+    want.variance = in.variance;
+    want.AllocateOutputs(OpVersion::kV3, attrs);
+    fbn::SetNumThreads(1);
+    ASSERT_TRUE(fbn::FusedBatchNorm(OpVersion::kV3, want.Inputs(), attrs, want.Outputs()).ok());
+    for (int threads : {1, 2, 3, 7}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      fbn::SetNumThreads(threads);
+      ForwardIO f;
+      f.x = in.x;
+      f.scale = in.scale;
+      f.offset = in.offset;
+      f.mean = f.variance = HostTensor(DataType::kFloat32, Shape{0});
+      f.AllocateOutputs(OpVersion::kV3, attrs);
+      fbn::FusedBatchNormInputs inputs = f.Inputs();
+      inputs.mean.data = nullptr;
+      inputs.variance.data = nullptr;
+      const fbn::Status s = fbn::FusedBatchNorm(OpVersion::kV3, inputs, attrs, f.Outputs());
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_TRUE(f.y.RawBytes() == want.y.RawBytes());
+      EXPECT_TRUE(f.batch_mean.RawBytes() == want.batch_mean.RawBytes());
+      EXPECT_TRUE(f.batch_variance.RawBytes() == want.batch_variance.RawBytes());
+      EXPECT_TRUE(f.rs1.RawBytes() == want.rs1.RawBytes());
+      EXPECT_TRUE(f.rs2.RawBytes() == want.rs2.RawBytes());
+    }
+  }
+  fbn::SetNumThreads(0);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     All, ThreadCountTest,
     ::testing::Combine(::testing::Values(DataType::kFloat32, DataType::kBFloat16),
