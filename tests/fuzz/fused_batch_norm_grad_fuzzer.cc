@@ -11,17 +11,13 @@ using fbn::DataType;
 using fbn::OpVersion;
 using fbn::Status;
 using fbn::TensorSpec;
+using fbn_fuzz::SameResults;
 using fbn_fuzz::Tensor;
 
 constexpr unsigned char kCanaryA = 0xA5;
 constexpr unsigned char kCanaryB = 0x5A;
 
 bool ValidVersion(OpVersion v) { return static_cast<int>(v) >= 1 && static_cast<int>(v) <= 3; }
-
-bool SameBytes(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() &&
-         (a.bytes() == 0 || std::memcmp(a.data(), b.data(), a.bytes()) == 0);
-}
 
 bool AllZero(const Tensor& t) {
   for (int64_t i = 0; i < t.info().elements; ++i) {
@@ -224,7 +220,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Status s2 = run(again, kCanaryB, threads2);
   FBN_FUZZ_CHECK(s2.ok(), s2.ToString());
   for (int i = 0; i < 3; ++i) {
-    FBN_FUZZ_CHECK(SameBytes(out[i], again[i]),
+    FBN_FUZZ_CHECK(SameResults(out[i], again[i]),
                    "output " + std::to_string(i) + " differs between runs (threads " +
                        std::to_string(threads1) + " vs " + std::to_string(threads2) +
                        ") or was not fully written");

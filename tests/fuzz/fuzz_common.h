@@ -386,6 +386,33 @@ inline double MaxFinite(fbn::DataType t) {
   return t == fbn::DataType::kFloat16 ? 65504.0 : std::numeric_limits<float>::max();
 }
 
+// The same bytes: for copies and echoes of inputs.
+inline bool SameBytes(const Tensor& a, const Tensor& b) {
+  return a.bytes() == b.bytes() &&
+         (a.bytes() == 0 || std::memcmp(a.data(), b.data(), a.bytes()) == 0);
+}
+
+// Results of two runs (other thread counts, aliased buffers): the same bits, except that where
+// both are NaN the payload and sign may differ. x86 returns the NaN of the first operand, and
+// the compiler may order a multiply's operands differently in a kernel's vector body and its
+// tail, which fall on other elements for another thread count.
+inline bool SameResults(const Tensor& a, const Tensor& b) {
+  if (SameBytes(a, b)) return true;
+  if (a.dtype() != b.dtype() || a.bytes() != b.bytes() || !ValidDtypeCode(a.dtype())) return false;
+  const size_t es = ElementBytes(a.dtype());
+  const auto* pa = static_cast<const unsigned char*>(a.data());
+  const auto* pb = static_cast<const unsigned char*>(b.data());
+  for (size_t i = 0; i < a.bytes() / es; ++i) {
+    if (std::memcmp(pa + i * es, pb + i * es, es) == 0) continue;
+    const auto k = static_cast<int64_t>(i);
+    if (!std::isnan(LoadAsDouble(pa, a.dtype(), k)) ||
+        !std::isnan(LoadAsDouble(pb, b.dtype(), k))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace fbn_fuzz
 
 #endif  // FBN_TESTS_FUZZ_FUZZ_COMMON_H_
