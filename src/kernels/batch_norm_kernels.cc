@@ -1127,7 +1127,7 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
 
 // Σdy and Σdy·(x - m) of a block for the strip at channel c, into s and t; with k1, dx = k1·dy.
 #if FBN_BF16_PAIRS
-template <int K, class D>
+template <int K, bool kStream, class D>
 HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int64_t C, int64_t c,
                                 int64_t b0, int64_t b1, int64_t prefetch_end, const float* mean,
                                 const float* k1, BFloat16* dx, float* s, float* t) {
@@ -1158,7 +1158,7 @@ HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int6
       xo[p] = hn::MulAdd(dO, hn::Sub(vo, mo[p]), xo[p]);
       if (k1) {
         StorePairBits(du, BF16PairBits(d, hn::Mul(de, ke[p]), hn::Mul(dO, ko[p])),
-                      dx + o + c + 2 * p * N, false);
+                      dx + o + c + 2 * p * N, kStream);
       }
     }
     if (K % 2 == 1) {
@@ -1167,7 +1167,7 @@ HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int6
       const auto g = LoadAcc(d, dy + o + cs);
       gs = hn::Add(gs, g);
       xs = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + o + cs), ms), xs);
-      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + cs)), dx + o + cs);
+      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + cs)), dx + o + cs, kStream);
     }
   }
   for (int p = 0; p < P; ++p) {
@@ -1181,13 +1181,15 @@ HWY_INLINE void StripReduceBF16(D d, const BFloat16* dy, const BFloat16* x, int6
 }
 #endif
 
-template <int K, typename T, class D>
+// kStream: dx with streaming stores (a compile-time choice: a run-time flag in the store slowed
+// the bfloat16 pair kernel, 1x14x14x512 flushed 1.35x).
+template <int K, bool kStream, typename T, class D>
 HWY_INLINE void StripReduce(D d, const T* dy, const T* x, int64_t C, int64_t c, int64_t b0,
                             int64_t b1, int64_t prefetch_end, const Acc<T>* mean, const Acc<T>* k1,
                             T* dx, Acc<T>* s, Acc<T>* t) {
 #if FBN_BF16_PAIRS
   if constexpr (std::is_same_v<T, BFloat16> && K >= 2) {
-    return StripReduceBF16<K>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
+    return StripReduceBF16<K, kStream>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
   }
 #endif
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -1206,7 +1208,7 @@ HWY_INLINE void StripReduce(D d, const T* dy, const T* x, int64_t C, int64_t c, 
       const auto g = LoadAcc(d, dy + o + j * N);
       sg[j] = hn::Add(sg[j], g);
       sx[j] = hn::MulAdd(g, hn::Sub(LoadAcc(d, x + o + j * N), m[j]), sx[j]);
-      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c + j * N)), dx + o + j * N);
+      if (k1) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c + j * N)), dx + o + j * N, kStream);
     }
   }
   for (int j = 0; j < K; ++j) {
@@ -1235,14 +1237,23 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   const int64_t block = BlockRows(c1 - c0, sizeof(T), 2, read);
   const int64_t prefetch_end = read == RowRead::kPrefetch ? r1 : r0;
   const bool nt = k1 && stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
+  // A frozen backward streaming dx sweeps the rows in row order (below), except from L3: there
+  // the strips, with the sums in registers, took 0.41-0.96x its time, streaming too (per-call
+  // alternation, Zen 4, 2 threads, tensors of 1.8-12.8 MB: float 32x14x14x256, 96x17x17x64/96,
+  // 32x28x28x64/128; bfloat16 32x28x28x128, 32x7x7x2048, 128x7x7x512, 96x17x17x160). Calls
+  // that fit L2 but stream (input flushed: 1x14x14x256 float, 1x14x14x512 bfloat16) were
+  // 1.35-1.42x slower in strips. The strips stream bfloat16 only in whole aligned pairs
+  // (PairsStream), else store regularly.
+  const bool row_sweep = nt && read != RowRead::kL3;
+  const bool strip_nt =
+      nt && !row_sweep && (!std::is_same_v<T, BFloat16> || PairsStream(d, C, c0, dx + r0 * C));
   for (int64_t c = c0; c < c1; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = b0 + block < r1 ? b0 + block : r1;
     int64_t cv = c0 + (c1 - c0) / N * N;
-    if (nt) {
-      // A large frozen backward streams dx: one row-major sweep reading dy and x in order, with
-      // the block sums in memory (strips measured 12-35% slower here, reading and writing each
-      // row in pieces).
+    if (row_sweep) {
+      // One row-major sweep reading dy and x in order, with the block sums in memory (strips
+      // measured 12-35% slower from DRAM, reading and writing each row in pieces).
       for (int64_t c = c0; c < cv; ++c) s[c] = t[c] = A(0);
       for (int64_t r = b0; r < b1; ++r) {
         const int64_t o = r * C;
@@ -1256,7 +1267,12 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
       }
     } else {
       const auto strip = [&](auto k, int64_t c) {
-        StripReduce<decltype(k)::value>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
+        constexpr int K = decltype(k)::value;
+        if (strip_nt) {
+          StripReduce<K, true>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
+        } else {
+          StripReduce<K, false>(d, dy, x, C, c, b0, b1, prefetch_end, mean, k1, dx, s, t);
+        }
       };
       cv = ForEachStripFor<kReduceStripVectors<T>>(read, d, c0, c1, strip);
     }

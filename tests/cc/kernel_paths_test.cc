@@ -4,9 +4,12 @@
 // coefficients, for shapes that take each path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -259,6 +262,51 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
         double ref = 0;
         for (int64_t r = 0; r < rows; ++r) ref += dy.Get(r * C + c);
         EXPECT_NEAR(s_dy[0][c], ref, 1e-4) << "channel " << c;
+      }
+    }
+  }
+}
+
+// The frozen gradient's streamed dx: row-order sweeps (kL2, kDram) and strips (kL3; bfloat16
+// streams there only in whole aligned pairs, 256 channels, else stores regularly) give the bits
+// of the regular-store strips. dx is 64-byte aligned, so the streaming stores do run.
+TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
+  using fbn::kernels::RowRead;
+  for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
+    for (int64_t C : {256, 80, 48}) {
+      SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
+      const int64_t rows = 150;
+      std::mt19937 rng(17);
+      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
+      const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
+      const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
+      const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      const size_t bytes = static_cast<size_t>(rows * C) * fbn::DataTypeSize(t);
+      std::vector<unsigned char> want;
+      std::vector<double> want_dy, want_dyxc;
+      int run = 0;
+      for (const auto& [read, stream] : {std::pair{RowRead::kL3, false},
+                                         {RowRead::kL2, true},
+                                         {RowRead::kL3, true},
+                                         {RowRead::kDram, true}}) {
+        SCOPED_TRACE("run " + std::to_string(run++));
+        std::unique_ptr<void, decltype(&std::free)> dx(
+            std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free);
+        std::memset(dx.get(), 0x7f, bytes);
+        std::vector<double> tmp(2 * C), s_dy(C), s_dyxc(C);
+        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, mean.data(), s_dy.data(),
+                          s_dyxc.data(), k1.data(), dx.get(), tmp.data(), stream, read);
+        const auto* p = static_cast<const unsigned char*>(dx.get());
+        if (want.empty()) {
+          want.assign(p, p + bytes);
+          want_dy = s_dy;
+          want_dyxc = s_dyxc;
+          continue;
+        }
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), p)) << "dx";
+        EXPECT_TRUE(SameDoubles(s_dy, want_dy)) << "sum dy";
+        EXPECT_TRUE(SameDoubles(s_dyxc, want_dyxc)) << "sum dy(x - m)";
       }
     }
   }
