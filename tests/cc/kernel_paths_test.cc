@@ -312,6 +312,45 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
   }
 }
 
+// The channels-last apply, streamed or not, from every level: row order (kL2, kDram), bfloat16
+// strips from L3 (whole aligned pairs streamed, 256 channels; else regular stores), the same
+// bits as the regular-store strips.
+TEST(RowStatsTest, ApplyStreamedSameAsStored) {
+  using fbn::kernels::RowRead;
+  for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
+    for (int64_t C : {256, 80, 48}) {
+      SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
+      const int64_t rows = 150;
+      std::mt19937 rng(19);
+      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
+      const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
+      const HostTensor a = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+      const HostTensor b = RandomTensor(StatsType(t), Shape{C}, -1.0, 1.0, &rng);
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      const size_t bytes = static_cast<size_t>(rows * C) * fbn::DataTypeSize(t);
+      std::vector<unsigned char> want;
+      int run = 0;
+      for (const auto& [read, stream] : {std::pair{RowRead::kL3, false},
+                                         {RowRead::kL2, true},
+                                         {RowRead::kL3, true},
+                                         {RowRead::kDram, true}}) {
+        SCOPED_TRACE("run " + std::to_string(run++));
+        std::unique_ptr<void, decltype(&std::free)> y(
+            std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free);
+        std::memset(y.get(), 0x7f, bytes);
+        entry.apply_rows(x.data(), C, 0, C, 0, rows, mean.data(), a.data(), b.data(), y.get(),
+                         stream, read);
+        const auto* p = static_cast<const unsigned char*>(y.get());
+        if (want.empty()) {
+          want.assign(p, p + bytes);
+          continue;
+        }
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), p)) << "y";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     All, SwappedLayoutTest,
     ::testing::Combine(::testing::Values(DataType::kFloat32, DataType::kBFloat16,
