@@ -4,7 +4,6 @@
 // coefficients, for shapes that take each path.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fbn/fbn.h"
@@ -29,6 +29,32 @@ using fbn::kernels::Geometry;
 bool SameDoubles(const std::vector<double>& a, const std::vector<double>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
 }
+
+// The store tests' runs: the regular-store strips first (the reference), then a streaming call
+// for each level the rows may come from.
+constexpr std::pair<fbn::kernels::RowRead, bool> kStoreRuns[] = {
+    {fbn::kernels::RowRead::kL3, false},
+    {fbn::kernels::RowRead::kL2, true},
+    {fbn::kernels::RowRead::kL3, true},
+    {fbn::kernels::RowRead::kDram, true}};
+
+// An output buffer aligned to 64 bytes, so that streaming stores do run, filled with 0x7f.
+class AlignedOutput {
+ public:
+  explicit AlignedOutput(size_t bytes)
+      : bytes_(bytes), p_(std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free) {
+    std::memset(p_.get(), 0x7f, bytes_);
+  }
+  void* data() { return p_.get(); }
+  std::vector<unsigned char> Bytes() const {
+    const auto* p = static_cast<const unsigned char*>(p_.get());
+    return std::vector<unsigned char>(p, p + bytes_);
+  }
+
+ private:
+  size_t bytes_;
+  std::unique_ptr<void, decltype(&std::free)> p_;
+};
 
 struct PathCase {
   const char* name;
@@ -271,7 +297,6 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
 // streams there only in whole aligned pairs, 256 channels, else stores regularly) give the bits
 // of the regular-store strips. dx is 64-byte aligned, so the streaming stores do run.
 TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
-  using fbn::kernels::RowRead;
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
     for (int64_t C : {256, 80, 48}) {
       SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
@@ -286,25 +311,19 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
       std::vector<unsigned char> want;
       std::vector<double> want_dy, want_dyxc;
       int run = 0;
-      for (const auto& [read, stream] : {std::pair{RowRead::kL3, false},
-                                         {RowRead::kL2, true},
-                                         {RowRead::kL3, true},
-                                         {RowRead::kDram, true}}) {
+      for (const auto& [read, stream] : kStoreRuns) {
         SCOPED_TRACE("run " + std::to_string(run++));
-        std::unique_ptr<void, decltype(&std::free)> dx(
-            std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free);
-        std::memset(dx.get(), 0x7f, bytes);
+        AlignedOutput dx(bytes);
         std::vector<double> tmp(2 * C), s_dy(C), s_dyxc(C);
         entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, mean.data(), s_dy.data(),
-                          s_dyxc.data(), k1.data(), dx.get(), tmp.data(), stream, read);
-        const auto* p = static_cast<const unsigned char*>(dx.get());
+                          s_dyxc.data(), k1.data(), dx.data(), tmp.data(), stream, read);
         if (want.empty()) {
-          want.assign(p, p + bytes);
+          want = dx.Bytes();
           want_dy = s_dy;
           want_dyxc = s_dyxc;
           continue;
         }
-        EXPECT_TRUE(std::equal(want.begin(), want.end(), p)) << "dx";
+        EXPECT_TRUE(dx.Bytes() == want) << "dx";
         EXPECT_TRUE(SameDoubles(s_dy, want_dy)) << "sum dy";
         EXPECT_TRUE(SameDoubles(s_dyxc, want_dyxc)) << "sum dy(x - m)";
       }
@@ -316,7 +335,6 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
 // strips from L3 (whole aligned pairs streamed, 256 channels; else regular stores), the same
 // bits as the regular-store strips.
 TEST(RowStatsTest, ApplyStreamedSameAsStored) {
-  using fbn::kernels::RowRead;
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
     for (int64_t C : {256, 80, 48}) {
       SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
@@ -330,22 +348,16 @@ TEST(RowStatsTest, ApplyStreamedSameAsStored) {
       const size_t bytes = static_cast<size_t>(rows * C) * fbn::DataTypeSize(t);
       std::vector<unsigned char> want;
       int run = 0;
-      for (const auto& [read, stream] : {std::pair{RowRead::kL3, false},
-                                         {RowRead::kL2, true},
-                                         {RowRead::kL3, true},
-                                         {RowRead::kDram, true}}) {
+      for (const auto& [read, stream] : kStoreRuns) {
         SCOPED_TRACE("run " + std::to_string(run++));
-        std::unique_ptr<void, decltype(&std::free)> y(
-            std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free);
-        std::memset(y.get(), 0x7f, bytes);
-        entry.apply_rows(x.data(), C, 0, C, 0, rows, mean.data(), a.data(), b.data(), y.get(),
+        AlignedOutput y(bytes);
+        entry.apply_rows(x.data(), C, 0, C, 0, rows, mean.data(), a.data(), b.data(), y.data(),
                          stream, read);
-        const auto* p = static_cast<const unsigned char*>(y.get());
         if (want.empty()) {
-          want.assign(p, p + bytes);
+          want = y.Bytes();
           continue;
         }
-        EXPECT_TRUE(std::equal(want.begin(), want.end(), p)) << "y";
+        EXPECT_TRUE(y.Bytes() == want) << "y";
       }
     }
   }

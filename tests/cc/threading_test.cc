@@ -79,6 +79,17 @@ Inputs MakeInputs(DataType t, const Workload& w, uint32_t seed) {
   return in;
 }
 
+// The forward op's inputs taken from `in` (outputs not allocated).
+ForwardIO ForwardInputs(const Inputs& in) {
+  ForwardIO f;
+  f.x = in.x;
+  f.scale = in.scale;
+  f.offset = in.offset;
+  f.mean = in.mean;
+  f.variance = in.variance;
+  return f;
+}
+
 // Evicts [p, p + bytes) from every cache level (x86 only; elsewhere returns false).
 bool EvictFromCaches(const void* p, size_t bytes) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -98,12 +109,7 @@ bool EvictFromCaches(const void* p, size_t bytes) {
 // `evict`: each op's operands leave the caches first (the ops may then stream their outputs).
 Outputs RunAll(const Inputs& in, TensorFormat format, bool evict = false) {
   Outputs out;
-  ForwardIO f;
-  f.x = in.x;
-  f.scale = in.scale;
-  f.offset = in.offset;
-  f.mean = in.mean;
-  f.variance = in.variance;
+  ForwardIO f = ForwardInputs(in);
   fbn::FusedBatchNormAttrs attrs;
   attrs.data_format = format;
   attrs.exponential_avg_factor = 0.1f;
@@ -172,22 +178,14 @@ TEST(ThreadCount, TrainingWithoutRunningStatistics) {
     const Inputs in = MakeInputs(DataType::kFloat32, w, 3);
     fbn::FusedBatchNormAttrs attrs;
     attrs.data_format = w.format;
-    ForwardIO want;
-    want.x = in.x;
-    want.scale = in.scale;
-    want.offset = in.offset;
-    want.mean = in.mean;
-    want.variance = in.variance;
+    ForwardIO want = ForwardInputs(in);
     want.AllocateOutputs(OpVersion::kV3, attrs);
     fbn::SetNumThreads(1);
     ASSERT_TRUE(fbn::FusedBatchNorm(OpVersion::kV3, want.Inputs(), attrs, want.Outputs()).ok());
     for (int threads : {1, 2, 3, 7}) {
       SCOPED_TRACE("threads " + std::to_string(threads));
       fbn::SetNumThreads(threads);
-      ForwardIO f;
-      f.x = in.x;
-      f.scale = in.scale;
-      f.offset = in.offset;
+      ForwardIO f = ForwardInputs(in);
       f.mean = f.variance = HostTensor(DataType::kFloat32, Shape{0});
       f.AllocateOutputs(OpVersion::kV3, attrs);
       fbn::FusedBatchNormInputs inputs = f.Inputs();
