@@ -43,6 +43,7 @@ constexpr double kPrefetchStatsElements = kPrefetchStatsBytes / 4;
 // Batch-1 channels-first fused paths reduce and rewrite a task's channels in chunks of about this
 // many bytes of their inputs (FusedChunk).
 constexpr double kFusedChunkBytes = 16.0 * 1024;
+constexpr double kFusedChunkFromMemoryBytes = 4.0 * 1024;
 // An element-wise task writes about this much.
 constexpr double kApplyTaskBytes = 64.0 * 1024;
 
@@ -352,13 +353,20 @@ int CallThreads(const Geometry& g, size_t elem_bytes, int tensors, InputProbe& p
                        static_cast<int>(std::max<int64_t>(1, traffic / kColdBytesPerThread)));
 }
 
+// Channels-first calls that would stream only because their input is not in cache (the output
+// fits the L2s) keep regular stores for planes shorter than this: each plane's unaligned ends
+// are regular stores anyway, and on short planes streaming the rest measured slower (ResNet-50
+// batch-1 float, operands flushed, regular / streamed: 14x14 planes 0.63-0.84x in inference and
+// the backward apply; 28x28 and 56x56 planes 1.13-1.38x).
+constexpr int64_t kColdStreamPlaneBytes = 1024;
+
 // Whether a call writes its output with streaming stores, decided before it reads anything.
 // Outputs too large for the threads' L2 stream (StreamOutput). Smaller ones stream when the
 // call's input is not in the calling core's cache: the call then reads from DRAM, and regular
 // stores would fetch every output line from DRAM first (ResNet-50 batch-1 float, operands
-// flushed: 256x14x14 training forward 32 -> 22 us, 256x28x28 inference 77 -> 47 us). With the
-// input in cache, the usual case when the previous layer has just written it, the output stays in
-// cache for the next layer (streaming it doubles the time).
+// flushed: 256x28x28 inference 77 -> 47 us; short channels-first planes excepted, above). With
+// the input in cache, the usual case when the previous layer has just written it, the output
+// stays in cache for the next layer (streaming it doubles the time).
 bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads,
                   double probe_bytes, InputProbe& probe, bool short_planes = false) {
   const int64_t es = static_cast<int64_t>(elem_bytes);
@@ -367,6 +375,7 @@ bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads
   if (StreamOutput(g, elem_bytes, tensors, threads)) return true;
   const double bytes = static_cast<double>(g.elements() * es);
   if (bytes < probe_bytes) return false;
+  if (!g.channels_last && g.s * es < kColdStreamPlaneBytes) return false;
   return !probe.InCoreCache();
 }
 
@@ -872,10 +881,15 @@ void ForEachImageRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
 // measured 0.75-0.82x on 1x64..256x56x56 float training gradients. With several images the
 // writers' ranges (one per image) get short and scattered with small chunks: 32x512x7x7 and
 // 96x192x8x8 gradients measured 1.4-1.6x faster with whole tasks.
-int64_t FusedChunk(const Geometry& g, int64_t group, double bytes_per_element) {
+// Inputs that come from DRAM (not in the calling core's cache) take chunks of a few KB: flushed
+// 1x512x14x14 float gradients took 75 us in 16 KB chunks and 52 us in 4 KB ones.
+int64_t FusedChunk(const Geometry& g, int64_t group, double bytes_per_element, InputProbe& probe) {
   if (g.n > 1) return group;
   const double channel_bytes = static_cast<double>(g.per_channel()) * bytes_per_element;
-  return std::max<int64_t>(1, static_cast<int64_t>(kFusedChunkBytes / channel_bytes));
+  const bool from_memory =
+      static_cast<double>(g.elements()) * bytes_per_element >= kProbeBytes && !probe.InCoreCache();
+  const double chunk_bytes = from_memory ? kFusedChunkFromMemoryBytes : kFusedChunkBytes;
+  return std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes / channel_bytes));
 }
 
 // Channels-first channels that fit one reduction task can be reduced and then rewritten while
@@ -1056,7 +1070,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   // Each task is whole channels (p.pieces == 1), taken in chunks (FusedChunk): statistics of a
   // chunk's channels, their coefficients in one vector call, then the rewrite while the chunk's
   // data is still in cache.
-  const int64_t chunk = FusedChunk(g, p.group, static_cast<double>(es));
+  const int64_t chunk = FusedChunk(g, p.group, static_cast<double>(es), probe);
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
@@ -1133,7 +1147,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   }
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
-  const int64_t chunk = FusedChunk(g, p.group, 2.0 * static_cast<double>(es));
+  const int64_t chunk = FusedChunk(g, p.group, 2.0 * static_cast<double>(es), probe);
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
     prepare(t0, t1);  // per task: chunks can be single channels

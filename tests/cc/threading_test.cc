@@ -226,6 +226,8 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       {"nhwc_small", TensorFormat::kNHWC, {1, 7, 7, 512}},
       {"nchw_small", TensorFormat::kNCHW, {1, 512, 7, 7}},
       {"nchw", TensorFormat::kNCHW, {1, 256, 28, 28}},
+      // Evicted batch-1 fused paths take 4 KB chunks; 14x14 planes keep regular stores.
+      {"nchw_14x14_planes", TensorFormat::kNCHW, {1, 256, 14, 14}},
       {"nchw_images", TensorFormat::kNCHW, {16, 64, 16, 16}},
       // Planes shorter than 512 bytes: the fused training paths stream their whole lines.
       {"nchw_short_planes", TensorFormat::kNCHW, {16, 64, 8, 8}},
