@@ -675,6 +675,22 @@ RowRead ApplyRead(const Geometry& g, size_t es, int threads, bool stream, InputP
   return read == RowRead::kL3 && stream && !probe.InCoreCache() ? RowRead::kDram : read;
 }
 
+// Where the training gradient's channels-last sums read their rows: as RowReadOf, but from DRAM
+// with prefetching when the call's input was not in cache at its start (`probe`) although the
+// tensor fits the caches. The sums read rows in strips, which the hardware prefetchers do not
+// follow from DRAM (operands flushed, alternating calls: 32x7x7x512, 32x14x14x256, 1x28x28x256,
+// 96x8x8x448 bfloat16 and 96x17x17x192 bfloat16 0.76-0.88x the time; float tensors of 3-13 MB
+// with 64-448 channels 1.0-1.06x). In cache (the probe can misread L3 hits) prefetching costs
+// 0.89-1.08x.
+RowRead SumsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
+  const RowRead read = RowReadOf(g, es, 3, true, threads);
+  if (!g.channels_last || (read != RowRead::kL2 && read != RowRead::kL3) ||
+      static_cast<double>(g.elements() * static_cast<int64_t>(es)) < kProbeBytes) {
+    return read;
+  }
+  return probe.InCoreCache() ? read : RowRead::kPrefetch;
+}
+
 // `read`: ApplyRead's, decided before the call read anything (channels-last only).
 void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
                const void* b, void* y, int threads, bool stream, RowRead read) {
@@ -715,8 +731,9 @@ namespace {
 // The frozen backward writes dx in the same sweep, streamed when `stream`.
 // `prepare` and `finish` as for FrozenBackward: in the channel-group tasks when the rows are one
 // range (the tasks' sums are then final), else on the calling thread.
+// `read`: where channels-last rows come from (RowReadOf, or SumsRead for the sums alone).
 void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x, const void* mean,
-                const void* k1, void* dx, int threads, bool stream, double* sum_dy,
+                const void* k1, void* dx, int threads, bool stream, RowRead read, double* sum_dy,
                 double* sum_dy_xc, ChannelStep prepare = {}, ChannelStep finish = {}) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
@@ -726,7 +743,6 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(4 * C);  // sums, 2·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
-    const RowRead read = RowReadOf(g, es, 3, k1 == nullptr, threads);
     const bool in_tasks = p.row_tasks == 1;
     if (!in_tasks) prepare(0, C);
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -735,8 +751,8 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
       double* s = partial + slot * static_cast<size_t>(rt);
       const int64_t r0 = rt * p.rows_per_task;
       if (in_tasks) prepare(c0, c1);
-      e.reduce_rows(dy, x, C, c0, c1, r0, std::min(rows, r0 + p.rows_per_task), mean, s, s + C, k1,
-                    dx, s + 2 * C, stream, read);
+      e.reduce_rows(dy, x, C, c0, c1, r0, std::min(rows, r0 + p.rows_per_task), rows, mean, s,
+                    s + C, k1, dx, s + 2 * C, stream, read);
       if (in_tasks) {
         MergeRowSums(p, C, partial, slot, c0, c1, sum_dy, sum_dy_xc);
         finish(c0, c1);
@@ -790,8 +806,9 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
                           sum_dy_xc);
   }
   InputProbe probe(g, es, dy);
-  ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false, sum_dy,
-             sum_dy_xc);
+  const int threads = CallThreads(g, es, 2, probe);
+  ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, threads, false,
+             SumsRead(g, es, threads, probe), sum_dy, sum_dy_xc);
 }
 
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
@@ -808,8 +825,8 @@ void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const voi
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
   ReduceImpl(dtype, g, dy, x, mean, k1, dx, threads,
-             StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe), sum_dy,
-             sum_dy_xc, prepare, finish);
+             StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe),
+             RowReadOf(g, es, 3, false, threads), sum_dy, sum_dy_xc, prepare, finish);
 }
 
 namespace {
@@ -1116,8 +1133,8 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     threading::ParallelFor(p.groups, threads, [&](int64_t t) {
       const int64_t c0 = t * p.width, c1 = std::min(C, c0 + p.width);
       prepare(c0, c1);
-      e.reduce_rows(dy, x, C, c0, c1, 0, rows, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, tmp,
-                    false, read);
+      e.reduce_rows(dy, x, C, c0, c1, 0, rows, rows, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr,
+                    tmp, false, read);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
       finish(c0, c1);
       e.backward_apply_rows(dy, x, C, c0, c1, 0, rows, k_mean, k1, k2, k0, dx, stream);
@@ -1138,8 +1155,9 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     return;
   }
   if (!fused) {
-    ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, CallThreads(g, es, 2, probe), false,
-               sum_dy, sum_dy_xc);
+    const int sum_threads = CallThreads(g, es, 2, probe);
+    ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_threads, false,
+               SumsRead(g, es, sum_threads, probe), sum_dy, sum_dy_xc);
     BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
     BackwardApplyWith(dtype, g, dy, x, k_mean, k1, k2, k0, dx, threads, stream);
     finish(0, g.c);

@@ -37,9 +37,10 @@ struct KernelEntry {
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
-  // accumulators of scratch. `read` as for stats_rows.
+  // accumulators of scratch. `read` as for stats_rows; with kPrefetch the last block prefetches
+  // the next one up to `rows`, the tensor's, so a task's last block fetches the next task's first.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0,
-                      int64_t r1, const void* mean, double* sum_dy, double* sum_dy_xc,
+                      int64_t r1, int64_t rows, const void* mean, double* sum_dy, double* sum_dy_xc,
                       const void* k1, void* dx, void* tmp, bool stream, RowRead read);
   void (*reduce_run)(const void* dy, const void* x, int64_t base, int64_t plane_stride, int64_t S,
                      int64_t v0, int64_t v1, const void* mean, int64_t c, double* sum_dy,

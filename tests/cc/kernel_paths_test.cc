@@ -275,7 +275,7 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
         s_dy[i].resize(C);
         s_dyxc[i].resize(C);
         dx[i].FillBytes(0);
-        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, mean.data(), s_dy[i].data(),
+        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, rows, mean.data(), s_dy[i].data(),
                           s_dyxc[i].data(), frozen ? k1.data() : nullptr,
                           frozen ? dx[i].data() : nullptr, tmp.data(), false, read);
         ++i;
@@ -315,7 +315,7 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
         SCOPED_TRACE("run " + std::to_string(run++));
         AlignedOutput dx(bytes);
         std::vector<double> tmp(2 * C), s_dy(C), s_dyxc(C);
-        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, mean.data(), s_dy.data(),
+        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, rows, rows, mean.data(), s_dy.data(),
                           s_dyxc.data(), k1.data(), dx.data(), tmp.data(), stream, read);
         if (want.empty()) {
           want = dx.Bytes();
