@@ -675,20 +675,23 @@ RowRead ApplyRead(const Geometry& g, size_t es, int threads, bool stream, InputP
   return read == RowRead::kL3 && stream && !probe.InCoreCache() ? RowRead::kDram : read;
 }
 
-// Where the training gradient's channels-last sums read their rows: as RowReadOf, but from DRAM
-// with prefetching when the call's input was not in cache at its start (`probe`) although the
-// tensor fits the caches. The sums read rows in strips, which the hardware prefetchers do not
-// follow from DRAM (operands flushed, alternating calls: 32x7x7x512, 32x14x14x256, 1x28x28x256,
-// 96x8x8x448 bfloat16 and 96x17x17x192 bfloat16 0.76-0.88x the time; float tensors of 3-13 MB
-// with 64-448 channels 1.0-1.06x). In cache (the probe can misread L3 hits) prefetching costs
-// 0.89-1.08x.
-RowRead SumsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
-  const RowRead read = RowReadOf(g, es, 3, true, threads);
-  if (!g.channels_last || (read != RowRead::kL2 && read != RowRead::kL3) ||
+// Where the gradients' channels-last reductions read their rows: as RowReadOf, but kFlushed when
+// the call's input was not in cache at its start (`probe`) although the tensor fits the caches.
+// The reductions read rows in strips, which the hardware prefetchers do not follow from DRAM:
+// software prefetches do. Operands flushed, alternating calls, training-gradient sums (from L2 or
+// L3): 32x7x7x512, 32x14x14x256, 1x28x28x256, 96x8x8x448 bfloat16 and 96x17x17x192 bfloat16
+// 0.76-0.88x the time, float tensors of 3-13 MB with 64-448 channels 1.0-1.06x. The frozen
+// gradient (from L3 only: from L2 it sweeps rows in order) 0.54-0.96x: 32x14x14x256,
+// 96x8x8x192, 32x28x28x128, 32x14x14x512, 96x17x17x192. In cache (the probe can misread L3
+// hits) prefetching would cost 0.89-1.08x.
+RowRead ReductionRead(const Geometry& g, size_t es, bool frozen, int threads, InputProbe& probe) {
+  const RowRead read = RowReadOf(g, es, 3, !frozen, threads);
+  const bool fits = frozen ? read == RowRead::kL3 : read == RowRead::kL2 || read == RowRead::kL3;
+  if (!g.channels_last || !fits ||
       static_cast<double>(g.elements() * static_cast<int64_t>(es)) < kProbeBytes) {
     return read;
   }
-  return probe.InCoreCache() ? read : RowRead::kPrefetch;
+  return probe.InCoreCache() ? read : RowRead::kFlushed;
 }
 
 // `read`: ApplyRead's, decided before the call read anything (channels-last only).
@@ -731,7 +734,7 @@ namespace {
 // The frozen backward writes dx in the same sweep, streamed when `stream`.
 // `prepare` and `finish` as for FrozenBackward: in the channel-group tasks when the rows are one
 // range (the tasks' sums are then final), else on the calling thread.
-// `read`: where channels-last rows come from (RowReadOf, or SumsRead for the sums alone).
+// `read`: where channels-last rows come from (ReductionRead).
 void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x, const void* mean,
                 const void* k1, void* dx, int threads, bool stream, RowRead read, double* sum_dy,
                 double* sum_dy_xc, ChannelStep prepare = {}, ChannelStep finish = {}) {
@@ -808,7 +811,7 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 2, probe);
   ReduceImpl(dtype, g, dy, x, mean, nullptr, nullptr, threads, false,
-             SumsRead(g, es, threads, probe), sum_dy, sum_dy_xc);
+             ReductionRead(g, es, false, threads, probe), sum_dy, sum_dy_xc);
 }
 
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
@@ -824,9 +827,10 @@ void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const voi
   }
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
-  ReduceImpl(dtype, g, dy, x, mean, k1, dx, threads,
-             StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe),
-             RowReadOf(g, es, 3, false, threads), sum_dy, sum_dy_xc, prepare, finish);
+  // Both decided before anything reads dy.
+  const bool stream = StreamStores(g, es, 3, threads, ProbeBytesOneSweep(es, true), probe);
+  ReduceImpl(dtype, g, dy, x, mean, k1, dx, threads, stream,
+             ReductionRead(g, es, true, threads, probe), sum_dy, sum_dy_xc, prepare, finish);
 }
 
 namespace {
@@ -1157,7 +1161,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   if (!fused) {
     const int sum_threads = CallThreads(g, es, 2, probe);
     ReduceImpl(dtype, g, dy, x, k_mean, nullptr, nullptr, sum_threads, false,
-               SumsRead(g, es, sum_threads, probe), sum_dy, sum_dy_xc);
+               ReductionRead(g, es, false, sum_threads, probe), sum_dy, sum_dy_xc);
     BackwardCoefficients(wide, 0, g.c, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
     BackwardApplyWith(dtype, g, dy, x, k_mean, k1, k2, k0, dx, threads, stream);
     finish(0, g.c);

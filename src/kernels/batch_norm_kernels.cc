@@ -1244,7 +1244,8 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   // Into the next task's rows too: its first block is otherwise read with nothing ahead of it
   // (training-gradient sums, operands flushed, 1.6-6.4 MB: 0.89-0.99x the time prefetching
   // within the task only, 0.81-0.88x across; DRAM-sized tensors 0.99-1.0x).
-  const int64_t prefetch_end = read == RowRead::kPrefetch ? std::min(rows, r1 + block) : r0;
+  const bool prefetch = read == RowRead::kPrefetch || read == RowRead::kFlushed;
+  const int64_t prefetch_end = prefetch ? std::min(rows, r1 + block) : r0;
   const bool nt = k1 && stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
   // A frozen backward streaming dx sweeps the rows in row order (below), except from L3: there
   // the strips, with the sums in registers, took 0.41-0.96x its time, streaming too (per-call
@@ -1252,8 +1253,9 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   // 32x28x28x64/128; bfloat16 32x28x28x128, 32x7x7x2048, 128x7x7x512, 96x17x17x160). Calls
   // that fit L2 but stream (input flushed: 1x14x14x256 float, 1x14x14x512 bfloat16) were
   // 1.35-1.42x slower in strips. The strips stream bfloat16 only in whole aligned pairs
-  // (PairsStream), else store regularly.
-  const bool row_sweep = nt && read != RowRead::kL3;
+  // (PairsStream), else store regularly. Flushed L3-sized calls take the strips with prefetches
+  // (0.54-0.96x the row sweep's time, kFlushed).
+  const bool row_sweep = nt && read != RowRead::kL3 && read != RowRead::kFlushed;
   const bool strip_nt =
       nt && !row_sweep && (!std::is_same_v<T, BFloat16> || PairsStream(d, C, c0, dx + r0 * C));
   for (int64_t c = c0; c < c1; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;

@@ -8,12 +8,15 @@
 
 namespace fbn::kernels {
 
-// Where a channels-last kernel's rows come from, decided by the driver from the tensor's size.
+// Where a channels-last kernel's rows come from, decided by the driver from the tensor's size
+// (and, for kFlushed, from the cache probe).
 enum class RowRead : uint8_t {
   kL2,        // the call's tensors fit the threads' L2 caches
   kL3,        // larger: from the last-level cache, or beyond it
   kDram,      // larger than the last-level cache keeps: rows come from DRAM
   kPrefetch,  // from DRAM, and software prefetches of the next block help
+  kFlushed,   // reduce_rows only: the tensor fits the caches but was not in them at the call's
+              // start; as kL3 (strips), with kPrefetch's prefetches
 };
 
 struct KernelEntry {
@@ -37,8 +40,9 @@ struct KernelEntry {
   void (*apply_flat)(const void* x, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mean,
                      const void* a, const void* b, void* y, bool stream);
   // Σdy and Σdy·(x - m) over rows [r0, r1); with k1 non-null also dx = k1·dy. tmp: 2·C
-  // accumulators of scratch. `read` as for stats_rows; with kPrefetch the last block prefetches
-  // the next one up to `rows`, the tensor's, so a task's last block fetches the next task's first.
+  // accumulators of scratch. `read` as for stats_rows; with kPrefetch and kFlushed the last block
+  // prefetches the next one up to `rows`, the tensor's: a task's last block fetches the next
+  // task's first.
   void (*reduce_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0,
                       int64_t r1, int64_t rows, const void* mean, double* sum_dy, double* sum_dy_xc,
                       const void* k1, void* dx, void* tmp, bool stream, RowRead read);
