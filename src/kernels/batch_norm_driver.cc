@@ -589,15 +589,39 @@ void MergeRowSums(const RowPartition& p, int64_t C, const double* partial, size_
 
 namespace {
 
-void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int threads, double* mean,
-                      double* variance) {
+// Where channels-last statistics read their rows: as RowReadOf, but kFlushed (StatsRows' first
+// pass in row order) where the rows come from DRAM: tensors larger than the victim L3 that do not
+// prefetch, and tensors whose input was not in cache at the call's start (`probe`). Measured on
+// Zen 4 (process-level, old/new fbn_bench alternating, float training forward): flushed
+// 32x14x14x512, 128x7x7x512, 96x8x8x384 and x448, 1x28x28x512, 96x17x17x128 0.73-0.83x the
+// time; warm 32x28x28x512, 128x14x14x512, 96x17x17x384 0.76-0.83x. Warm tensors between half and
+// all of the L3 (partly cached) measured 1.03-1.31x in row order, so they keep the strips unless
+// the probe finds them uncached. Not for 16-bit types (their strips stay, StatsRows), calls of
+// fewer than 128 rows (batch-1 7x7: 1.06-1.2x), the channel-group tasks of ForwardTrainingGroups
+// (batch-1 14x14x512 and x1024 training forwards 1.18-1.21x), nor rows of 4 KB multiples, whose
+// kDram blocks are shorter (BlockRows): kFlushed takes kL3's blocks, so the probe can never
+// change a result.
+RowRead StatsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
+  const RowRead read = RowReadOf(g, es, 2, true, threads);
+  const double bytes = static_cast<double>(g.elements() * static_cast<int64_t>(es));
+  const bool dram = read == RowRead::kDram && (g.c * static_cast<int64_t>(es)) % 4096 != 0;
+  if (!g.channels_last || es < 4 || g.n * g.s < 2 * kMinRowsPerTask || bytes < kProbeBytes ||
+      (read != RowRead::kL2 && read != RowRead::kL3 && !dram)) {
+    return read;
+  }
+  if (dram && bytes > VictimL3Bytes()) return RowRead::kFlushed;
+  return probe.InCoreCache() ? read : RowRead::kFlushed;
+}
+
+void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int threads,
+                      InputProbe& probe, double* mean, double* variance) {
   const KernelEntry& e = Entry(dtype);
   const size_t es = ElemBytes(dtype);
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
-    const RowRead read = RowReadOf(g, es, 2, true, threads);
+    const RowRead read = StatsRead(g, es, threads, probe);
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));
     threading::ParallelFor(p.tasks(), threads, [&](int64_t t) {
@@ -637,7 +661,7 @@ void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean
     return ComputeStats(dtype, call.geometry(), call.In(x, 0), mean, variance);
   }
   InputProbe probe(g, es, x);
-  ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
+  ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), probe, mean, variance);
 }
 
 namespace {
@@ -1080,7 +1104,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   }
   if (!fused) {
     const RowRead apply_read = ApplyRead(g, es, threads, stream, probe);
-    ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), mean, variance);
+    ComputeStatsWith(dtype, g, x, CallThreads(g, es, 1, probe), probe, mean, variance);
     ForwardCoefficients(wide, 0, g.c, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
     ApplyWith(dtype, g, x, k_mean, k_a, k_b, y, threads, stream, apply_read);
     finish(0, g.c);

@@ -15,8 +15,9 @@ enum class RowRead : uint8_t {
   kL3,        // larger: from the last-level cache, or beyond it
   kDram,      // larger than the last-level cache keeps: rows come from DRAM
   kPrefetch,  // from DRAM, and software prefetches of the next block help
-  kFlushed,   // reduce_rows only: the tensor fits the caches but was not in them at the call's
-              // start; as kL3 (strips), with kPrefetch's prefetches
+  kFlushed,   // rows not in cache although they could be (the probe), or, for statistics, from
+              // DRAM beyond the L3. reduce_rows: kL3's strips with kPrefetch's prefetches;
+              // stats_rows: kL3's blocks, the first pass in row order
 };
 
 struct KernelEntry {

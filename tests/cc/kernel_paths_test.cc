@@ -229,7 +229,8 @@ TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
     }
     const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
     std::vector<std::vector<double>> results;
-    for (RowRead read : {RowRead::kL2, RowRead::kL3, RowRead::kDram, RowRead::kPrefetch}) {
+    for (RowRead read :
+         {RowRead::kL2, RowRead::kL3, RowRead::kDram, RowRead::kPrefetch, RowRead::kFlushed}) {
       SCOPED_TRACE(DTypeTag(t) + " read hint " + std::to_string(static_cast<int>(read)));
       std::vector<double> mean(C), m2(C), tmp(3 * C);
       entry.stats_rows(x.data(), C, 0, C, 0, rows, mean.data(), m2.data(), tmp.data(), read);
@@ -246,11 +247,56 @@ TEST(RowStatsTest, EveryReadHintMatchesFloat64Reference) {
       }
       EXPECT_EQ(bad, 0);
     }
-    // Strip widths (kL2 and kL3) and prefetching (kDram and kPrefetch) change no bits.
+    // Strip widths (kL2 and kL3), prefetching (kDram and kPrefetch) and a first pass in row order
+    // (float kFlushed) change no bits.
     EXPECT_TRUE(SameDoubles(results[0], results[2]) && SameDoubles(results[1], results[3]))
         << DTypeTag(t) << ": kL2 and kL3 statistics differ";
     EXPECT_TRUE(SameDoubles(results[4], results[6]) && SameDoubles(results[5], results[7]))
         << DTypeTag(t) << ": kDram and kPrefetch statistics differ";
+    EXPECT_TRUE(SameDoubles(results[0], results[8]) && SameDoubles(results[1], results[9]))
+        << DTypeTag(t) << ": kL2 and kFlushed statistics differ";
+  }
+}
+
+// Rows that are not 4 KB multiples take the same blocks for every hint, so every hint, whether
+// its first pass takes strips or rows in order (RowMean), gives the same bits: for every dtype,
+// whole rows and a channel range that starts and ends off a vector (masked strips, scalar tail).
+TEST(RowStatsTest, StatisticsSameForEveryReadHint) {
+  using fbn::kernels::RowRead;
+  const RowRead reads[] = {RowRead::kL2, RowRead::kL3, RowRead::kDram, RowRead::kPrefetch,
+                           RowRead::kFlushed};
+  for (DataType t :
+       {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16}) {
+    const int64_t C = 200, rows = 150;  // blocks of 64, 64 and 22 rows
+    std::mt19937 rng(17);
+    const HostTensor x = RandomTensor(t, Shape{rows * C}, -3.0, 5.0, &rng);
+    const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+    for (const auto& [c0, c1] : {std::pair<int64_t, int64_t>{0, C}, {5, C - 3}}) {
+      std::vector<double> ref_mean, ref_m2;
+      for (RowRead read : reads) {
+        SCOPED_TRACE(DTypeTag(t) + " channels [" + std::to_string(c0) + ", " + std::to_string(c1) +
+                     ") read hint " + std::to_string(static_cast<int>(read)));
+        std::vector<double> mean(C, -1.0), m2(C, -1.0), tmp(3 * C);
+        entry.stats_rows(x.data(), C, c0, c1, 0, rows, mean.data(), m2.data(), tmp.data(), read);
+        for (int64_t c = c0; c < c1; c += 37) {
+          double sum = 0.0, sq = 0.0;
+          for (int64_t r = 0; r < rows; ++r) sum += x.Get(r * C + c);
+          const double m = sum / static_cast<double>(rows);
+          for (int64_t r = 0; r < rows; ++r) sq += (x.Get(r * C + c) - m) * (x.Get(r * C + c) - m);
+          EXPECT_NEAR(mean[c], m, 1e-5) << "channel " << c;
+          EXPECT_NEAR(m2[c], sq, 1e-5 * sq) << "channel " << c;
+        }
+        const std::vector<double> range_mean(mean.begin() + c0, mean.begin() + c1);
+        const std::vector<double> range_m2(m2.begin() + c0, m2.begin() + c1);
+        if (ref_mean.empty()) {
+          ref_mean = range_mean;
+          ref_m2 = range_m2;
+        } else {
+          EXPECT_TRUE(SameDoubles(ref_mean, range_mean) && SameDoubles(ref_m2, range_m2))
+              << "statistics differ from kL2's";
+        }
+      }
+    }
   }
 }
 

@@ -222,6 +222,8 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       {"nhwc_rows", TensorFormat::kNHWC, {1, 28, 28, 256}},
       {"nhwc_wide", TensorFormat::kNHWC, {1, 28, 28, 512}},
       {"nhwc_groups", TensorFormat::kNHWC, {1, 7, 7, 2048}},
+      // Evicted float statistics read rows in order (RowRead::kFlushed), cached ones in strips.
+      {"nhwc_images", TensorFormat::kNHWC, {8, 14, 14, 160}},
       // Small enough for one thread when cached, two when not.
       {"nhwc_small", TensorFormat::kNHWC, {1, 7, 7, 512}},
       {"nchw_small", TensorFormat::kNCHW, {1, 512, 7, 7}},
