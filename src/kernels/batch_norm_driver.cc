@@ -333,6 +333,13 @@ class InputProbe {
   State state_ = kUnknown;
 };
 
+// Whether a call reads its input from memory: a tensor large enough to probe (`bytes_per_element`
+// of each of g's elements) whose input was not in the calling core's cache at the call's start.
+bool InputFromMemory(const Geometry& g, double bytes_per_element, InputProbe& probe) {
+  return static_cast<double>(g.elements()) * bytes_per_element >= kProbeBytes &&
+         !probe.InCoreCache();
+}
+
 // Small calls (under threading's extra-thread threshold) whose input is not in the calling core's
 // cache read it from DRAM or another core at a latency that one thread cannot hide, so they take
 // a thread per this much traffic instead (ResNet-50 batch-1 NHWC, operands flushed: 7x7x512
@@ -603,14 +610,15 @@ namespace {
 // change a result.
 RowRead StatsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 2, true, threads);
-  const double bytes = static_cast<double>(g.elements() * static_cast<int64_t>(es));
   const bool dram = read == RowRead::kDram && (g.c * static_cast<int64_t>(es)) % 4096 != 0;
-  if (!g.channels_last || es < 4 || g.n * g.s < 2 * kMinRowsPerTask || bytes < kProbeBytes ||
+  if (!g.channels_last || es < 4 || g.n * g.s < 2 * kMinRowsPerTask ||
       (read != RowRead::kL2 && read != RowRead::kL3 && !dram)) {
     return read;
   }
-  if (dram && bytes > VictimL3Bytes()) return RowRead::kFlushed;
-  return probe.InCoreCache() ? read : RowRead::kFlushed;
+  if (dram && static_cast<double>(g.elements() * static_cast<int64_t>(es)) > VictimL3Bytes()) {
+    return RowRead::kFlushed;
+  }
+  return InputFromMemory(g, static_cast<double>(es), probe) ? RowRead::kFlushed : read;
 }
 
 void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int threads,
@@ -711,11 +719,8 @@ RowRead ApplyRead(const Geometry& g, size_t es, int threads, bool stream, InputP
 RowRead ReductionRead(const Geometry& g, size_t es, bool frozen, int threads, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 3, !frozen, threads);
   const bool fits = frozen ? read == RowRead::kL3 : read == RowRead::kL2 || read == RowRead::kL3;
-  if (!g.channels_last || !fits ||
-      static_cast<double>(g.elements() * static_cast<int64_t>(es)) < kProbeBytes) {
-    return read;
-  }
-  return probe.InCoreCache() ? read : RowRead::kFlushed;
+  if (!g.channels_last || !fits) return read;
+  return InputFromMemory(g, static_cast<double>(es), probe) ? RowRead::kFlushed : read;
 }
 
 // `read`: ApplyRead's, decided before the call read anything (channels-last only).
@@ -931,9 +936,8 @@ void ForEachImageRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
 int64_t FusedChunk(const Geometry& g, int64_t group, double bytes_per_element, InputProbe& probe) {
   if (g.n > 1) return group;
   const double channel_bytes = static_cast<double>(g.per_channel()) * bytes_per_element;
-  const bool from_memory =
-      static_cast<double>(g.elements()) * bytes_per_element >= kProbeBytes && !probe.InCoreCache();
-  const double chunk_bytes = from_memory ? kFusedChunkFromMemoryBytes : kFusedChunkBytes;
+  const double chunk_bytes =
+      InputFromMemory(g, bytes_per_element, probe) ? kFusedChunkFromMemoryBytes : kFusedChunkBytes;
   return std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes / channel_bytes));
 }
 

@@ -681,8 +681,10 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   const int64_t prefetch_end = read == RowRead::kPrefetch ? r1 : r0;
   // kFlushed: the first pass reads rows wider than one strip in order (RowMean); 16-bit types
   // keep their strips (bfloat16 its pairs; float16 would convert the pivot row again per row).
-  const bool row_mean = sizeof(T) >= 4 && read == RowRead::kFlushed &&
-                        c1 - c0 > kStatsStripVectors<T> * static_cast<int64_t>(hn::Lanes(d));
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const bool row_mean =
+      sizeof(T) >= 4 && read == RowRead::kFlushed && c1 - c0 > kStatsStripVectors<T> * N;
+  const int64_t whole_end = c0 + (c1 - c0) / N * N;  // the whole-vector channels end here
   double count = 0;
   for (int64_t c = c0; c < c1; ++c) mean[c] = m2[c] = 0.0;
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
@@ -698,8 +700,7 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     };
     int64_t cv;
     if (row_mean) {
-      const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-      RowMean(d, x, C, c0, c0 + (c1 - c0) / N * N, b0, b1, vinv, bm, bd);
+      RowMean(d, x, C, c0, whole_end, b0, b1, vinv, bm, bd);
       cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, deviations);
     } else {
       cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, strip);
