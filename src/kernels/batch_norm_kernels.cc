@@ -1,5 +1,6 @@
 // Batch-norm kernels, written once against Highway and compiled per SIMD target (foreach_target),
 // plus the target-independent orchestration: task partitioning, threading and ordered merging.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -231,6 +232,9 @@ constexpr int64_t kPrefetchAheadBytes = 4096;
 
 template <typename T>
 constexpr int64_t kPrefetchAhead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T));
+
+// Planes longer than this many elements take the plane-by-plane loops (CrossesPlanes).
+constexpr int64_t kCrossPlaneMax = 4096;
 
 // The channels-last reductions read a block of rows strip by strip, the first strip from DRAM
 // when the tensor is large, and the hardware prefetchers do not follow that order well (float
@@ -1120,10 +1124,107 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   }
 }
 
-// Channels-first: flat elements [f0, f1) of an N·C·S tensor.
+// Channels-first planes whose length is not a whole number of vectors leave a vector that
+// straddles two planes at every plane boundary. Plane by plane, that vector is a scalar head and a
+// masked tail, and when the output streams, its cache line is written by regular stores (a line
+// partly streamed costs a read-modify-write in memory), which read the line first. Streaming
+// passes over planes of at least one step (a vector, or a bfloat16 pair) instead take whole
+// aligned steps across plane boundaries, each lane with its own channel's coefficients: a step
+// spans at most two planes, so its first lanes take the current channel's and the rest the next
+// channel's. Measured on Zen 4 (2 threads, alternating calls): 128x1024x14x14 float inference
+// 0.71x the time, training forwards of 128x2048x7x7 and 32x1024x14x14 float 0.70-0.77x, training
+// gradients of 32x2048x7x7 and 128x1024x14x14 float 0.59-0.81x, bfloat16 14x14 training forwards
+// 0.62x. Unstreamed calls keep the plane loops: in cache, crossing was 1.0-1.2x slower.
 template <typename T>
-void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mv,
-               const void* av, const void* bv, void* yv, bool stream) {
+constexpr int kCrossParts = std::is_same_v<T, BFloat16> ? 1 + FBN_BF16_PAIRS : 1;
+
+template <typename T, class D>
+HWY_INLINE bool CrossesPlanes(D d, int64_t S, int64_t f0, int64_t f1, bool stream) {
+  const int64_t step = kCrossParts<T> * static_cast<int64_t>(hn::Lanes(d));
+  // Ranges of one plane (channel-at-a-time fused passes) have no boundary to cross, and the
+  // extra head and tail calls cost 30% on 35x35 planes.
+  return stream && f1 - f0 > S && S >= step && S % step != 0 && S <= kCrossPlaneMax;
+}
+
+// The first element of [f0, f1) from which the output's steps are aligned for streaming;
+// `stream` is cleared where they never align.
+template <typename T, class D>
+HWY_INLINE int64_t CrossHead(D d, T* y, int64_t f0, int64_t f1, bool& stream) {
+  const int64_t head = StreamHead(d, y + f0);
+  if (head < 0) stream = false;
+  return head > 0 ? std::min(f1, f0 + head) : f0;
+}
+
+// Calls op(i, v) for the whole steps [i, i + P·N) of [i, end) and returns the first element
+// left. Lane j of v[p][k] holds arrays[k] of element i + P·j + p's channel (P = 2: the even and
+// odd values of a bfloat16 pair).
+template <int K, int P, class D, typename A, class F>
+HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t end,
+                                   const A* const (&arrays)[K], F&& op) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), W = P * N;
+  if (i + W > end) return i;
+  const int64_t plane = i / S;
+  int64_t plane_end = (plane + 1) * S, c = plane % C, next = c + 1 == C ? 0 : c + 1;
+  hn::Vec<D> v[P][K];
+  // Part p's lanes in the plane that ends `rem` elements after i: those with P·j + p < rem.
+  const auto blend = [&](int64_t rem, const auto& cur, const auto& nxt) {
+    for (int p = 0; p < P; ++p) {
+      const auto first = hn::FirstN(d, static_cast<size_t>(std::min((rem + P - 1 - p) / P, N)));
+      for (int k = 0; k < K; ++k) v[p][k] = hn::IfThenElse(first, cur(k), nxt(k));
+    }
+  };
+  if (S < 4 * W) {
+    // Short planes: no branch per plane. The number of steps within a plane varies from plane to
+    // plane, and mispredicting it cost more than blending every step (7x7 float in cache: 1.19x
+    // the plane loops' time with the branch, 1.05x blending every step).
+    for (; i + W <= end; i += W) {
+      const int64_t rem = plane_end - i;
+      blend(
+          rem, [&](int k) { return hn::Set(d, arrays[k][c]); },
+          [&](int k) { return hn::Set(d, arrays[k][next]); });
+      op(i, v);
+      const bool step = rem <= W;
+      plane_end += step ? S : 0;
+      c = step ? next : c;
+      const int64_t after = next + 1 == C ? 0 : next + 1;
+      next = step ? after : next;
+    }
+    return i;
+  }
+  hn::Vec<D> cur[K], nxt[K];
+  for (int k = 0; k < K; ++k) {
+    cur[k] = hn::Set(d, arrays[k][c]);
+    nxt[k] = hn::Set(d, arrays[k][next]);
+  }
+  while (true) {
+    // The steps within the current plane, then the one that straddles its end.
+    const int64_t stop = std::min(plane_end, end);
+    if (i + W <= stop) {
+      for (int p = 0; p < P; ++p) {
+        for (int k = 0; k < K; ++k) v[p][k] = cur[k];
+      }
+      for (; i + W <= stop; i += W) op(i, v);
+    }
+    if (i + W > end) return i;
+    if (i < plane_end) {
+      blend(
+          plane_end - i, [&](int k) { return cur[k]; }, [&](int k) { return nxt[k]; });
+      op(i, v);
+      i += W;
+    }
+    plane_end += S;
+    next = next + 1 == C ? 0 : next + 1;
+    for (int k = 0; k < K; ++k) {
+      cur[k] = nxt[k];
+      nxt[k] = hn::Set(d, arrays[k][next]);
+    }
+  }
+}
+
+// Channels-first: flat elements [f0, f1) of an N·C·S tensor, plane by plane.
+template <typename T>
+void ApplyPlanes(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mv,
+                 const void* av, const void* bv, void* yv, bool stream) {
   using A = Acc<T>;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
@@ -1167,6 +1268,38 @@ void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, con
     for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
     f = end;
   }
+}
+
+// Channels-first: flat elements [f0, f1) of an N·C·S tensor.
+template <typename T>
+void ApplyFlat(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, const void* mv,
+               const void* av, const void* bv, void* yv, bool stream) {
+  const AccTag<T> d;
+  if (!CrossesPlanes<T>(d, S, f0, f1, stream)) {
+    return ApplyPlanes<T>(xv, C, S, f0, f1, mv, av, bv, yv, stream);
+  }
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  T* y = static_cast<T*>(yv);
+  const A* const arrays[3] = {static_cast<const A*>(mv), static_cast<const A*>(av),
+                              static_cast<const A*>(bv)};
+  const int64_t i0 = CrossHead(d, y, f0, f1, stream);
+  if (i0 > f0) ApplyPlanes<T>(xv, C, S, f0, i0, mv, av, bv, yv, false);
+  const auto step = [&](int64_t i, const auto& v) {
+#if FBN_BF16_PAIRS
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (i < f1 - kPrefetchAhead<T>) hwy::Prefetch(x + i + kPrefetchAhead<T>);
+      hn::Vec<decltype(d)> ev, od;
+      LoadBF16Pair(d, x + i, ev, od);
+      const auto bits = BF16PairBits(d, hn::MulAdd(hn::Sub(ev, v[0][0]), v[0][1], v[0][2]),
+                                     hn::MulAdd(hn::Sub(od, v[1][0]), v[1][1], v[1][2]));
+      return StorePairBits(hn::RebindToUnsigned<decltype(d)>(), bits, y + i, stream);
+    }
+#endif
+    StoreAcc(d, hn::MulAdd(hn::Sub(LoadAcc(d, x + i), v[0][0]), v[0][1], v[0][2]), y + i, stream);
+  };
+  const int64_t i1 = CrossPlaneSteps<3, kCrossParts<T>>(d, C, S, i0, f1, arrays, step);
+  if (i1 < f1) ApplyPlanes<T>(xv, C, S, i1, f1, mv, av, bv, yv, false);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1686,9 +1819,9 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
 }
 
 template <typename T>
-void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t f0,
-                       int64_t f1, const void* mv, const void* k1v, const void* k2v,
-                       const void* k0v, void* dxv, bool stream) {
+void BackwardApplyPlanes(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t f0,
+                         int64_t f1, const void* mv, const void* k1v, const void* k2v,
+                         const void* k0v, void* dxv, bool stream) {
   using A = Acc<T>;
   const T* dy = static_cast<const T*>(dyv);
   const T* x = static_cast<const T*>(xv);
@@ -1741,6 +1874,43 @@ void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, in
     for (; i < end; ++i) scalar(i);
     f = end;
   }
+}
+
+// Channels-first: dx = k2·(x - m) + (k1·dy + k0) for flat elements [f0, f1).
+template <typename T>
+void BackwardApplyFlat(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t f0,
+                       int64_t f1, const void* mv, const void* k1v, const void* k2v,
+                       const void* k0v, void* dxv, bool stream) {
+  const AccTag<T> d;
+  if (!CrossesPlanes<T>(d, S, f0, f1, stream)) {
+    return BackwardApplyPlanes<T>(dyv, xv, C, S, f0, f1, mv, k1v, k2v, k0v, dxv, stream);
+  }
+  using A = Acc<T>;
+  const T* dy = static_cast<const T*>(dyv);
+  const T* x = static_cast<const T*>(xv);
+  T* dx = static_cast<T*>(dxv);
+  const A* const arrays[4] = {static_cast<const A*>(mv), static_cast<const A*>(k1v),
+                              static_cast<const A*>(k2v), static_cast<const A*>(k0v)};
+  const int64_t i0 = CrossHead(d, dx, f0, f1, stream);
+  if (i0 > f0) BackwardApplyPlanes<T>(dyv, xv, C, S, f0, i0, mv, k1v, k2v, k0v, dxv, false);
+  const auto step = [&](int64_t i, const auto& v) {
+#if FBN_BF16_PAIRS
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      hn::Vec<decltype(d)> xe, xo, ge, go;
+      LoadBF16Pair(d, x + i, xe, xo);
+      LoadBF16Pair(d, dy + i, ge, go);
+      const auto e = hn::MulAdd(v[0][2], hn::Sub(xe, v[0][0]), hn::MulAdd(v[0][1], ge, v[0][3]));
+      const auto o = hn::MulAdd(v[1][2], hn::Sub(xo, v[1][0]), hn::MulAdd(v[1][1], go, v[1][3]));
+      return StorePairBits(hn::RebindToUnsigned<decltype(d)>(), BF16PairBits(d, e, o), dx + i,
+                           stream);
+    }
+#endif
+    const auto xc = hn::Sub(LoadAcc(d, x + i), v[0][0]);
+    StoreAcc(d, hn::MulAdd(v[0][2], xc, hn::MulAdd(v[0][1], LoadAcc(d, dy + i), v[0][3])), dx + i,
+             stream);
+  };
+  const int64_t i1 = CrossPlaneSteps<4, kCrossParts<T>>(d, C, S, i0, f1, arrays, step);
+  if (i1 < f1) BackwardApplyPlanes<T>(dyv, xv, C, S, i1, f1, mv, k1v, k2v, k0v, dxv, false);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -414,6 +414,54 @@ TEST(RowStatsTest, ApplyStreamedSameAsStored) {
   }
 }
 
+// The channels-first elementwise passes, streamed over ranges that start and end mid-plane and
+// mid-vector: across plane boundaries where planes are not whole vectors (17 .. 289 elements),
+// plane by plane otherwise (64, and 4099, over the crossing limit). The same bits as one
+// regular-store call over the whole tensor.
+TEST(FlatPassesTest, StreamedSameAsStored) {
+  for (DataType t :
+       {DataType::kFloat32, DataType::kBFloat16, DataType::kFloat16, DataType::kFloat64}) {
+    for (int64_t S : {17, 49, 50, 64, 196, 289, 4099}) {
+      SCOPED_TRACE(DTypeTag(t) + " S " + std::to_string(S));
+      const int64_t C = 7, E = 3 * C * S;
+      std::mt19937 rng(23);
+      const HostTensor x = RandomTensor(t, Shape{E}, -2.0, 3.0, &rng);
+      const HostTensor dy = RandomTensor(t, Shape{E}, -1.0, 1.0, &rng);
+      std::vector<HostTensor> k;
+      for (int i = 0; i < 4; ++i)
+        k.push_back(RandomTensor(StatsType(t), Shape{C}, -1.5, 1.5, &rng));
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      const size_t bytes = static_cast<size_t>(E) * fbn::DataTypeSize(t);
+      const auto forward = [&](AlignedOutput& y, int64_t f0, int64_t f1, bool stream) {
+        entry.apply_flat(x.data(), C, S, f0, f1, k[0].data(), k[1].data(), k[2].data(), y.data(),
+                         stream);
+      };
+      const auto backward = [&](AlignedOutput& dx, int64_t f0, int64_t f1, bool stream) {
+        entry.backward_apply_flat(dy.data(), x.data(), C, S, f0, f1, k[0].data(), k[1].data(),
+                                  k[2].data(), k[3].data(), dx.data(), stream);
+      };
+      const std::vector<std::vector<int64_t>> splits = {
+          {0, E}, {0, 13, S + 1, 2 * C * S - 5, E - 3, E}, {0, E / 2 + 7, E}};
+      for (int pass = 0; pass < 2; ++pass) {
+        SCOPED_TRACE(pass == 0 ? "forward" : "backward");
+        const auto run = [&](AlignedOutput& out, int64_t f0, int64_t f1, bool stream) {
+          pass == 0 ? forward(out, f0, f1, stream) : backward(out, f0, f1, stream);
+        };
+        AlignedOutput stored(bytes);
+        run(stored, 0, E, false);
+        for (size_t i = 0; i < splits.size(); ++i) {
+          SCOPED_TRACE("split " + std::to_string(i));
+          AlignedOutput streamed(bytes);
+          for (size_t r = 0; r + 1 < splits[i].size(); ++r) {
+            run(streamed, splits[i][r], splits[i][r + 1], true);
+          }
+          EXPECT_TRUE(streamed.Bytes() == stored.Bytes());
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     All, SwappedLayoutTest,
     ::testing::Combine(::testing::Values(DataType::kFloat32, DataType::kBFloat16,
