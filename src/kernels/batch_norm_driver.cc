@@ -603,15 +603,20 @@ namespace {
 // 32x14x14x512, 128x7x7x512, 96x8x8x384 and x448, 1x28x28x512, 96x17x17x128 0.73-0.83x the
 // time; warm 32x28x28x512, 128x14x14x512, 96x17x17x384 0.76-0.83x. Warm tensors between half and
 // all of the L3 (partly cached) measured 1.03-1.31x in row order, so they keep the strips unless
-// the probe finds them uncached. Not for 16-bit types (their strips stay, StatsRows), calls of
-// fewer than 128 rows (batch-1 7x7: 1.06-1.2x), the channel-group tasks of ForwardTrainingGroups
-// (batch-1 14x14x512 and x1024 training forwards 1.18-1.21x), nor rows of 4 KB multiples, whose
-// kDram blocks are shorter (BlockRows): kFlushed takes kL3's blocks, so the probe can never
-// change a result.
+// the probe finds them uncached. 16-bit types (in-process, alternating calls), flushed:
+// bfloat16 1x28x28x512 0.49x the time, 32x28x28x256 0.70x, 32x14x14x512 0.84-0.93x, 7x7 and 8x8
+// shapes unchanged; float16 0.62-0.84x on the same shapes. Process-level, bfloat16 training
+// forwards, cold: 0.77-0.88x on 32x28x28x256, 1x28x28x512, 96x8x8x384 and x448, 128x7x7x512,
+// 32x14x14x512; 1.04-1.09x (within the run's noise) on 96x17x17x128 and x192, 128x14x14x256,
+// 32x56x56x128. Not
+// for calls of fewer than 128 rows (batch-1 7x7: 1.06-1.2x), the channel-group tasks of
+// ForwardTrainingGroups (batch-1 14x14x512 and x1024 training forwards 1.18-1.21x), nor rows of 4
+// KB multiples, whose kDram blocks are shorter (BlockRows): kFlushed takes kL3's blocks, so the
+// probe can never change a result.
 RowRead StatsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 2, true, threads);
   const bool dram = read == RowRead::kDram && (g.c * static_cast<int64_t>(es)) % 4096 != 0;
-  if (!g.channels_last || es < 4 || g.n * g.s < 2 * kMinRowsPerTask ||
+  if (!g.channels_last || g.n * g.s < 2 * kMinRowsPerTask ||
       (read != RowRead::kL2 && read != RowRead::kL3 && !dram)) {
     return read;
   }

@@ -650,21 +650,32 @@ HWY_INLINE int64_t ForEachStripFor(RowRead read, D d, int64_t c0, int64_t c1, F&
 // 32x28x28x256 statistics 0.62-0.68x the time, 32x14x14x512 0.83x; DRAM-sized tensors of 43-51
 // MB 0.69-0.84x. In cache it was 1.04-1.29x slower, and on tensors of 64 MB and more, which
 // prefetch (kPrefetch), 0.92-1.25x: both keep the strips (StatsRead in the driver decides).
+// 16-bit rows widen each vector as the strips do (bfloat16 strips split pairs into even and odd
+// lanes, but every lane gets the same operations), so their bits match too.
 template <typename T, class D>
 HWY_INLINE void RowMean(D d, const T* x, int64_t C, int64_t c0, int64_t cv, int64_t b0, int64_t b1,
-                        hn::Vec<D> vinv, Acc<T>* bm, Acc<T>* acc) {
+                        hn::Vec<D> vinv, Acc<T>* bm, Acc<T>* acc, Acc<T>* pivot_acc) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const T* pivot = x + b0 * C;
+  // A 16-bit pivot row is converted once, into pivot_acc (L1), instead of once per row.
+  const Acc<T>* pivot;
+  if constexpr (std::is_same_v<T, Acc<T>>) {
+    pivot = x + b0 * C;
+  } else {
+    for (int64_t c = c0; c < cv; c += N) {
+      hn::StoreU(LoadAcc(d, x + b0 * C + c), d, pivot_acc + c);
+    }
+    pivot = pivot_acc;
+  }
   for (int64_t c = c0; c < cv; c += N) hn::StoreU(hn::Zero(d), d, acc + c);
   for (int64_t r = b0 + 1; r < b1; ++r) {
     const T* xr = x + r * C;
     for (int64_t c = c0; c < cv; c += N) {
-      const auto v = SubOnFma(d, LoadAcc(d, xr + c), LoadAcc(d, pivot + c));
+      const auto v = SubOnFma(d, LoadAcc(d, xr + c), hn::LoadU(d, pivot + c));
       hn::StoreU(hn::Add(hn::LoadU(d, acc + c), v), d, acc + c);
     }
   }
   for (int64_t c = c0; c < cv; c += N) {
-    hn::StoreU(hn::MulAdd(hn::LoadU(d, acc + c), vinv, LoadAcc(d, pivot + c)), d, bm + c);
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, acc + c), vinv, hn::LoadU(d, pivot + c)), d, bm + c);
   }
 }
 
@@ -683,11 +694,9 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   const AccTag<T> d;
   const int64_t block = BlockRows(c1 - c0, sizeof(T), 1, read);
   const int64_t prefetch_end = read == RowRead::kPrefetch ? r1 : r0;
-  // kFlushed: the first pass reads rows wider than one strip in order (RowMean); 16-bit types
-  // keep their strips (bfloat16 its pairs; float16 would convert the pivot row again per row).
+  // kFlushed: the first pass reads rows wider than one strip in order (RowMean).
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const bool row_mean =
-      sizeof(T) >= 4 && read == RowRead::kFlushed && c1 - c0 > kStatsStripVectors<T> * N;
+  const bool row_mean = read == RowRead::kFlushed && c1 - c0 > kStatsStripVectors<T> * N;
   const int64_t whole_end = c0 + (c1 - c0) / N * N;  // the whole-vector channels end here
   double count = 0;
   for (int64_t c = c0; c < c1; ++c) mean[c] = m2[c] = 0.0;
@@ -704,7 +713,7 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     };
     int64_t cv;
     if (row_mean) {
-      RowMean(d, x, C, c0, whole_end, b0, b1, vinv, bm, bd);
+      RowMean(d, x, C, c0, whole_end, b0, b1, vinv, bm, bd, bd2);  // bd2: written by pass 2
       cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, deviations);
     } else {
       cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, strip);
