@@ -1166,7 +1166,8 @@ HWY_INLINE int64_t CrossHead(D d, T* y, int64_t f0, int64_t f1, bool& stream) {
 
 // Calls op(i, v) for the whole steps [i, i + P·N) of [i, end) and returns the first element
 // left. Lane j of v[p][k] holds arrays[k] of element i + P·j + p's channel (P = 2: the even and
-// odd values of a bfloat16 pair).
+// odd values of a bfloat16 pair). Only the channels of elements in [i, end) are read: the
+// coefficients of the channels after the range belong to other tasks, written concurrently.
 template <int K, int P, class D, typename A, class F>
 HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t end,
                                    const A* const (&arrays)[K], F&& op) {
@@ -1188,9 +1189,10 @@ HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t
     // the plane loops' time with the branch, 1.05x blending every step).
     for (; i + W <= end; i += W) {
       const int64_t rem = plane_end - i;
+      const int64_t second = rem < W ? next : c;  // the channel of the step's last lanes
       blend(
           rem, [&](int k) { return hn::Set(d, arrays[k][c]); },
-          [&](int k) { return hn::Set(d, arrays[k][next]); });
+          [&](int k) { return hn::Set(d, arrays[k][second]); });
       op(i, v);
       const bool step = rem <= W;
       plane_end += step ? S : 0;
@@ -1201,10 +1203,7 @@ HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t
     return i;
   }
   hn::Vec<D> cur[K], nxt[K];
-  for (int k = 0; k < K; ++k) {
-    cur[k] = hn::Set(d, arrays[k][c]);
-    nxt[k] = hn::Set(d, arrays[k][next]);
-  }
+  for (int k = 0; k < K; ++k) cur[k] = hn::Set(d, arrays[k][c]);
   while (true) {
     // The steps within the current plane, then the one that straddles its end.
     const int64_t stop = std::min(plane_end, end);
@@ -1215,6 +1214,8 @@ HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t
       for (; i + W <= stop; i += W) op(i, v);
     }
     if (i + W > end) return i;
+    // [i, i + W) is in the range and reaches into the next plane.
+    for (int k = 0; k < K; ++k) nxt[k] = hn::Set(d, arrays[k][next]);
     if (i < plane_end) {
       blend(
           plane_end - i, [&](int k) { return cur[k]; }, [&](int k) { return nxt[k]; });
@@ -1223,10 +1224,7 @@ HWY_INLINE int64_t CrossPlaneSteps(D d, int64_t C, int64_t S, int64_t i, int64_t
     }
     plane_end += S;
     next = next + 1 == C ? 0 : next + 1;
-    for (int k = 0; k < K; ++k) {
-      cur[k] = nxt[k];
-      nxt[k] = hn::Set(d, arrays[k][next]);
-    }
+    for (int k = 0; k < K; ++k) cur[k] = nxt[k];
   }
 }
 
