@@ -977,6 +977,42 @@ void StatsRuns(const void* xv, int64_t C, int64_t S, int64_t images, int64_t c0,
   for (; c < c1; ++c) stats(std::integral_constant<int, 1>(), c);
 }
 
+// Channels-first: statistics of channels [c0, c1) over images [n0, n1) of an images x C x S
+// tensor, read in memory order: each plane is one block (BlockTwoPass, its second pass from L1),
+// merged image by image with Chan's formula (mean and m2 indexed by channel). Planes up to
+// kShortPlaneBytes are read four channels at a time, as StatsRuns reads them.
+template <typename T>
+void StatsImages(const void* xv, int64_t C, int64_t S, int64_t c0, int64_t c1, int64_t n0,
+                 int64_t n1, double* mean, double* m2) {
+  const T* x = static_cast<const T*>(xv);
+  const double nb = static_cast<double>(S);
+  const bool short_planes = S * static_cast<int64_t>(sizeof(T)) <= kShortPlaneBytes;
+  double count = 0;
+  for (int64_t n = n0; n < n1; ++n, count += nb) {
+    const MergeWeights mw = WeightsFor(count, nb);
+    const auto planes = [&](auto k, int64_t c) {
+      constexpr int K = decltype(k)::value;
+      const T* base[K];
+      for (int j = 0; j < K; ++j) base[j] = x + (n * C + c + j) * S;
+      double bm[K], bq[K];
+      BlockTwoPass<K>(base, S, S, 0, S, 0, bm, bq);
+      for (int j = 0; j < K; ++j) {
+        if (count == 0) {
+          mean[c + j] = bm[j];
+          m2[c + j] = bq[j];
+        } else {
+          const double delta = bm[j] - mean[c + j];
+          mean[c + j] += delta * mw.w;
+          m2[c + j] += bq[j] + delta * delta * mw.v;
+        }
+      }
+    };
+    int64_t c = c0;
+    for (; short_planes && c + 4 <= c1; c += 4) planes(std::integral_constant<int, 4>(), c);
+    for (; c < c1; ++c) planes(std::integral_constant<int, 1>(), c);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Apply: y = (x - m)·a + b.
 
@@ -1636,16 +1672,27 @@ HWY_INLINE void ReduceChannels(const T* dy, const T* x, const int64_t* first, in
   }
 }
 
+// The type-erased operands of the channels-first sums; dx only where k1 asks for it.
+template <typename T>
+struct ReduceOperands {
+  ReduceOperands(const void* dyv, const void* xv, const void* mv, const void* k1v, void* dxv)
+      : dy(static_cast<const T*>(dyv)),
+        x(static_cast<const T*>(xv)),
+        mean(static_cast<const Acc<T>*>(mv)),
+        k1(static_cast<const Acc<T>*>(k1v)),
+        dx(k1v ? static_cast<T*>(dxv) : nullptr) {}
+  const T* dy;
+  const T* x;
+  const Acc<T>* mean;
+  const Acc<T>* k1;
+  T* dx;
+};
+
 template <typename T>
 void ReduceRuns(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t images, int64_t c0,
                 int64_t c1, const void* mv, double* sum_dy, double* sum_dy_xc, const void* k1v,
                 void* dxv, bool stream) {
-  using A = Acc<T>;
-  const T* dy = static_cast<const T*>(dyv);
-  const T* x = static_cast<const T*>(xv);
-  const A* mean = static_cast<const A*>(mv);
-  const A* k1 = static_cast<const A*>(k1v);
-  T* dx = k1 ? static_cast<T*>(dxv) : nullptr;
+  const ReduceOperands<T> o(dyv, xv, mv, k1v, dxv);
   const int64_t M = images * S;
   constexpr int K = 4;
   int64_t c = c0;
@@ -1653,17 +1700,47 @@ void ReduceRuns(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t i
   // planes only: batch-1 14x14 float and 28x28 bfloat16 frozen gradients from memory took 1.3-1.9x
   // as long four at a time (1x512x14x14 float 70 -> 101 us in the full runs).
   const bool short_planes = S * static_cast<int64_t>(sizeof(T)) <= kShortPlaneBytes;
-  const bool several = short_planes || (M <= kRunBlock && k1 == nullptr);
+  const bool several = short_planes || (M <= kRunBlock && o.k1 == nullptr);
   for (; several && c + K <= c1; c += K) {
     int64_t first[K];
     for (int j = 0; j < K; ++j) first[j] = (c + j) * S;
-    ReduceChannels<K>(dy, x, first, C * S, S, M, mean + c, k1 ? k1 + c : nullptr, dx, stream,
-                      sum_dy + c, sum_dy_xc + c);
+    ReduceChannels<K>(o.dy, o.x, first, C * S, S, M, o.mean + c, o.k1 ? o.k1 + c : nullptr, o.dx,
+                      stream, sum_dy + c, sum_dy_xc + c);
   }
   for (; c < c1; ++c) {
     const int64_t first = c * S;
-    ReduceChannels<1>(dy, x, &first, C * S, S, M, mean + c, k1 ? k1 + c : nullptr, dx, stream,
-                      sum_dy + c, sum_dy_xc + c);
+    ReduceChannels<1>(o.dy, o.x, &first, C * S, S, M, o.mean + c, o.k1 ? o.k1 + c : nullptr, o.dx,
+                      stream, sum_dy + c, sum_dy_xc + c);
+  }
+}
+
+// Channels-first sums of channels [c0, c1) over images [n0, n1), read in memory order: each
+// plane's sums are ReduceChannels' for that plane (four channels at a time where ReduceRuns takes
+// four), added per channel in image order (sum_dy and sum_dy_xc indexed by channel; with k1
+// non-null also dx = k1·dy).
+template <typename T>
+void ReduceImages(const void* dyv, const void* xv, int64_t C, int64_t S, int64_t c0, int64_t c1,
+                  int64_t n0, int64_t n1, const void* mv, double* sum_dy, double* sum_dy_xc,
+                  const void* k1v, void* dxv, bool stream) {
+  const ReduceOperands<T> o(dyv, xv, mv, k1v, dxv);
+  const bool short_planes = S * static_cast<int64_t>(sizeof(T)) <= kShortPlaneBytes;
+  for (int64_t c = c0; c < c1; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto planes = [&](auto k, int64_t c) {
+      constexpr int K = decltype(k)::value;
+      int64_t first[K];
+      for (int j = 0; j < K; ++j) first[j] = (n * C + c + j) * S;
+      double ps[K], pt[K];
+      ReduceChannels<K>(o.dy, o.x, first, C * S, S, S, o.mean + c, o.k1 ? o.k1 + c : nullptr, o.dx,
+                        stream, ps, pt);
+      for (int j = 0; j < K; ++j) {
+        sum_dy[c + j] += ps[j];
+        sum_dy_xc[c + j] += pt[j];
+      }
+    };
+    int64_t c = c0;
+    for (; short_planes && c + 4 <= c1; c += 4) planes(std::integral_constant<int, 4>(), c);
+    for (; c < c1; ++c) planes(std::integral_constant<int, 1>(), c);
   }
 }
 
@@ -1972,6 +2049,7 @@ void FillEntry(KernelEntry* e) {
   e->stats_rows = &StatsRows<T>;
   e->stats_run = &StatsRun<T>;
   e->stats_runs = &StatsRuns<T>;
+  e->stats_images = &StatsImages<T>;
   e->apply_rows = &ApplyRows<T>;
   e->apply_flat = &ApplyFlat<T>;
   e->reduce_rows = &ReduceRows<T>;
@@ -1985,6 +2063,7 @@ void FillEntry(KernelEntry* e) {
                  stream);
   };
   e->reduce_runs = &ReduceRuns<T>;
+  e->reduce_images = &ReduceImages<T>;
   e->backward_apply_rows = &BackwardApplyRows<T>;
   e->backward_apply_flat = &BackwardApplyFlat<T>;
   e->transpose = &TransposeImages<T>;

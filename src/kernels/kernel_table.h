@@ -34,6 +34,10 @@ struct KernelEntry {
   // channel): several channels at a time where they are short.
   void (*stats_runs)(const void* x, int64_t C, int64_t S, int64_t images, int64_t c0, int64_t c1,
                      double* mean, double* m2);
+  // Statistics of channels [c0, c1) over images [n0, n1) of an images x C x S tensor, read in
+  // memory order (one block per plane, merged image by image).
+  void (*stats_images)(const void* x, int64_t C, int64_t S, int64_t c0, int64_t c1, int64_t n0,
+                       int64_t n1, double* mean, double* m2);
   // Element-wise writers take `stream`: bypass the cache for outputs larger than it.
   void (*apply_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
                      const void* mean, const void* a, const void* b, void* y, bool stream,
@@ -55,6 +59,11 @@ struct KernelEntry {
   void (*reduce_runs)(const void* dy, const void* x, int64_t C, int64_t S, int64_t images,
                       int64_t c0, int64_t c1, const void* mean, double* sum_dy, double* sum_dy_xc,
                       const void* k1, void* dx, bool stream);
+  // The same for channels [c0, c1) over images [n0, n1), read in memory order: per channel the
+  // per-plane sums of reduce_runs, added in image order.
+  void (*reduce_images)(const void* dy, const void* x, int64_t C, int64_t S, int64_t c0, int64_t c1,
+                        int64_t n0, int64_t n1, const void* mean, double* sum_dy, double* sum_dy_xc,
+                        const void* k1, void* dx, bool stream);
   void (*backward_apply_rows)(const void* dy, const void* x, int64_t C, int64_t c0, int64_t c1,
                               int64_t r0, int64_t r1, const void* mean, const void* k1,
                               const void* k2, const void* k0, void* dx, bool stream);

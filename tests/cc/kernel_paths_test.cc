@@ -65,9 +65,16 @@ struct PathCase {
 // Channels-first channels of 1.08M elements: over one task (2 MB) for every dtype, so forward
 // (x) and backward (x and dy) take the channel-at-a-time path; small channels the per-task fused
 // path; channels-last short rows the channel-group path; long rows the separate passes.
+// Channels-first gradients of several images with planes up to 8 KB (2 KB for 16-bit types) sum
+// in image order, as do float and double statistics of such tensors from 13 MB (14 MB here:
+// image ranges and channel groups, a group ending in a tail); the fused tasks keep one image,
+// longer planes and the smaller tensors' statistics.
 const PathCase kCases[] = {
     {"nchw_split_channels", {false, 2, 3, 540000}},
     {"nchw_fused_tasks", {false, 16, 37, 49}},
+    {"nchw_fused_tasks_one_image", {false, 1, 37, 49}},
+    {"nchw_fused_tasks_long_planes", {false, 3, 7, 2100}},
+    {"nchw_image_order", {false, 2, 4401, 400}},
     {"nhwc_channel_groups", {true, 1, 2051, 49}},
     {"nhwc_rows", {true, 8, 40, 1500}},
     // Channels-first small planes run as channels-last copies (2x2, 3x3), or as the same memory
@@ -410,6 +417,77 @@ TEST(RowStatsTest, ApplyStreamedSameAsStored) {
         }
         EXPECT_TRUE(y.Bytes() == want) << "y";
       }
+    }
+  }
+}
+
+// The image-order channels-first kernels (memory order, a block per plane): statistics and
+// gradient sums of a channel range over an image range within float rounding of a float64
+// two-pass reference, for a mean far from zero, planes read four channels at a time (7x7) and
+// one at a time, and a range that ends in a tail; channels outside the range untouched.
+TEST(ImageOrderTest, StatisticsAndSumsMatchFloat64Reference) {
+  for (DataType t :
+       {DataType::kFloat32, DataType::kBFloat16, DataType::kFloat16, DataType::kFloat64}) {
+    for (int64_t S : {49, 196, 1225}) {
+      SCOPED_TRACE(DTypeTag(t) + " S " + std::to_string(S));
+      const int64_t C = 11, images = 5, c0 = 2, c1 = C, n0 = 1, n1 = images;
+      const int64_t E = images * C * S;
+      std::mt19937 rng(31);
+      const HostTensor x = RandomTensor(t, Shape{E}, 99.0, 101.0, &rng);
+      const HostTensor dy = RandomTensor(t, Shape{E}, -1.0, 1.0, &rng);
+      std::vector<double> ref_mean(C, 0.0), ref_m2(C, 0.0), ref_dy(C, 0.0), ref_dyxc(C, 0.0);
+      std::vector<double> abs_dy(C, 0.0), abs_dyxc(C, 0.0);
+      const double count = static_cast<double>((n1 - n0) * S);
+      const auto at = [&](int64_t n, int64_t c, int64_t i) { return (n * C + c) * S + i; };
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t n = n0; n < n1; ++n) {
+          for (int64_t i = 0; i < S; ++i) ref_mean[c] += x.Get(at(n, c, i));
+        }
+        ref_mean[c] /= count;
+      }
+      // The sums take the mean in the accumulation type, as the kernels get it.
+      HostTensor mean(StatsType(t), Shape{C});
+      for (int64_t c = 0; c < C; ++c) mean.Set(c, ref_mean[c]);
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t n = n0; n < n1; ++n) {
+          for (int64_t i = 0; i < S; ++i) {
+            const double d = x.Get(at(n, c, i)) - ref_mean[c];
+            const double g = dy.Get(at(n, c, i));
+            const double xc = x.Get(at(n, c, i)) - mean.Get(c);
+            ref_m2[c] += d * d;
+            ref_dy[c] += g;
+            ref_dyxc[c] += g * xc;
+            abs_dy[c] += std::abs(g);
+            abs_dyxc[c] += std::abs(g * xc);
+          }
+        }
+      }
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      constexpr double kUntouched = -7.0;
+      std::vector<double> m(C, kUntouched), m2(C, kUntouched), sdy(C, kUntouched),
+          sdyxc(C, kUntouched);
+      entry.stats_images(x.data(), C, S, c0, c1, n0, n1, m.data(), m2.data());
+      entry.reduce_images(dy.data(), x.data(), C, S, c0, c1, n0, n1, mean.data(), sdy.data(),
+                          sdyxc.data(), nullptr, nullptr, false);
+      int bad = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        if (c < c0) {
+          EXPECT_TRUE(m[c] == kUntouched && m2[c] == kUntouched && sdy[c] == kUntouched &&
+                      sdyxc[c] == kUntouched)
+              << "channel " << c << " outside the range was written";
+          continue;
+        }
+        const bool ok = std::abs(m[c] - ref_mean[c]) <= 2e-5 &&
+                        std::abs(m2[c] - ref_m2[c]) <= 1e-4 * ref_m2[c] &&
+                        std::abs(sdy[c] - ref_dy[c]) <= 1e-5 * abs_dy[c] &&
+                        std::abs(sdyxc[c] - ref_dyxc[c]) <= 1e-5 * abs_dyxc[c];
+        if (!ok && ++bad <= 3) {
+          ADD_FAILURE() << "channel " << c << ": mean " << m[c] << " vs " << ref_mean[c] << ", M2 "
+                        << m2[c] << " vs " << ref_m2[c] << ", sum dy " << sdy[c] << " vs "
+                        << ref_dy[c] << ", sum dy(x - m) " << sdyxc[c] << " vs " << ref_dyxc[c];
+        }
+      }
+      EXPECT_EQ(bad, 0);
     }
   }
 }
