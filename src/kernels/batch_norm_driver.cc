@@ -650,6 +650,22 @@ bool SumsByImage(const Geometry& g, size_t es) {
   return plane <= (es < 4 ? kImageSumsPlaneBytes16 : kImageSumsPlaneBytes);
 }
 
+// The training gradient's sums, in image order as SumsByImage except for planes over 1 KB in
+// tensors of 64 MB and more: there each channel-major run is long enough to stream, and the fused
+// and split passes rewrite dx from cache where image order reads dy and x from memory twice. Full
+// benchmark runs, process level, image order / channel order, float 28x28: 12-25 MB 0.56-0.79x,
+// 49 MB 0.86-1.02x, 98 MB 1.09-1.10x, 196 MB 1.19-1.23x (1.10-1.21x alternating); bfloat16 28x28
+// 49 MB 0.85-0.99x, 98 MB 1.06-1.15x. Shorter planes kept winning there (7x7 and 14x14 at 49-98 MB
+// 0.50-1.02x).
+constexpr int64_t kLongPlaneBytes = 1024;
+constexpr double kLongPlaneTensorBytes = 64.0 * 1024 * 1024;
+
+bool TrainingSumsByImage(const Geometry& g, size_t es) {
+  const double bytes = static_cast<double>(g.elements()) * static_cast<double>(es);
+  const bool long_planes = g.s * static_cast<int64_t>(es) > kLongPlaneBytes;
+  return SumsByImage(g, es) && !(long_planes && bytes >= kLongPlaneTensorBytes);
+}
+
 // Statistics (training forward): float and double planes over kShortPlaneBytes and up to 8 KB, in
 // tensors of at least 13 MB. Per-plane blocks cost a lane reduction and divisions per plane, which
 // 7x7 and 8x8 float planes do not hide (1.1-2.1x the time), nor 16-bit planes, which widen (in
@@ -1304,7 +1320,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const KernelEntry& e = Entry(dtype);
   InputProbe probe(g, es, dy);
   const int threads = CallThreads(g, es, 3, probe);
-  const bool by_image = SumsByImage(g, es);
+  const bool by_image = TrainingSumsByImage(g, es);
   const bool fused = FusePerChannel(g, 2.0 * static_cast<double>(es)) && !by_image;
   // Decided before the sums read dy.
   const bool stream =
