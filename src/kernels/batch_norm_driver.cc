@@ -95,18 +95,37 @@ RowRead RowReadOf(const Geometry& g, size_t elem_bytes, int tensors, bool reads_
 // inference 121 -> 90 us with its operands in cache and 281 -> 156 us flushed from it; at
 // 800 KB streaming doubled the in-cache time (12 -> 23 us). Where the L3 is a victim cache of the
 // L2s (Zen 4, 1 MB L2, 32 MB L3) lines evicted from L2 come back from L3 at L2-like latency, so
-// there regular stores keep the output for its reader up to half the L3 (warm, operands in L3:
-// 1x256x56x56 float inference 120 -> 58 us, 32x256x14x14 NCHW 195 -> 108, 32x512x7x7 float
-// training gradient 198 -> 157); beyond that streaming still wins (96x448x8x8 float training
-// gradient 1147 us streamed, 1365 not; 16-bit channels-last tensors of 16-34 MB split both
-// ways, 0.6-2x). 16-bit channels-first writers, whose short planes stream whole lines, stayed
-// faster streamed (96x448x8x8 bfloat16 inference 166 vs 222 us).
+// there regular stores keep the output for its reader up to a share of the L3 (L3KeepShare).
+// 16-bit channels-first writers, whose short planes stream whole lines, stayed faster streamed
+// (96x448x8x8 bfloat16 inference 166 vs 222 us).
+//
+// The share, from warm runs of the benchmark's shapes (fbn_bench, 2-4 alternating rounds,
+// streamed / regular):
+// - Half the L3 first (1x256x56x56 float inference 120 -> 58 us, 32x256x14x14 NCHW 195 -> 108,
+//   32x512x7x7 float training gradient 198 -> 157).
+// - Forward passes (x in, y out) up to 0.8 of it: float 12.8 MB tensors 1.1-2.1x faster
+//   (32x28x28x128 inference 466 -> 241 us, 96x8x8x384 training 467 -> 283, NCHW 32x512x14x14
+//   inference 467 -> 220), bfloat16 32x56x56x64 inference 476 -> 236. At 0.85 of it
+//   (96x17x17x128 float, 28.4 MB touched) the training forward lost 693 -> 854.
+// - Gradients (x and dy in, dx out) up to 0.6 of it: 32x256x14x14 float 1.15-1.9x faster
+//   (NCHW frozen 315 -> 166 us), bfloat16 32x28x28x128 training 400 -> 307; at 0.7 and more
+//   (96x8x8x320 float, 23.6 MB) the frozen gradient lost 302 -> 369.
+// - 16-bit rows of more than 512 channels keep half: with regular stores beyond it bfloat16
+//   32x14x14x1024 training forward lost 857 -> 1092 us and 32x7x7x2048 frozen gradient 321 ->
+//   392 (the same split by channel count showed when such tensors kept the whole L3).
+double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors) {
+  if (elem_bytes < 4) {
+    if (!g.channels_last) return 0.0;
+    if (g.c > 512) return 0.5;
+  }
+  return tensors <= 2 ? 0.8 : 0.6;
+}
+
 bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads) {
   const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
                          static_cast<double>(elem_bytes);
-  const bool l3_keeps = g.channels_last || elem_bytes >= 4;
-  const double retained =
-      std::max(static_cast<double>(threads) * L2Bytes(), l3_keeps ? VictimL3Bytes() / 2 : 0.0);
+  const double retained = std::max(static_cast<double>(threads) * L2Bytes(),
+                                   VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors));
   return touched > retained;
 }
 
