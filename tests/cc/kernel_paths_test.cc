@@ -351,7 +351,8 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
   }
 }
 
-// The frozen gradient's streamed dx: row-order sweeps (kL2, kDram) and strips (kL3, kFlushed;
+// The frozen gradient's streamed dx: row-order sweeps (kL2, and kDram over 128 channels: C 256)
+// and strips (kL3, kFlushed, and kDram on narrow rows: C 80 and 48;
 // bfloat16 streams there only in whole aligned pairs, 256 channels, else stores regularly) give the
 // bits of the regular-store strips. dx is 64-byte aligned, so the streaming stores do run.
 TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
