@@ -609,6 +609,35 @@ def build_cases(args):
     return cases_by_set
 
 
+def round_reps(reps, rounds):
+    """Repetitions per round: the total split over the rounds, at least one each."""
+    return max(1, int(round(reps / float(rounds))))
+
+
+def merge_rounds(recs):
+    """One result from a case's rounds: the median of the rounds' medians, the fastest call of
+    all, the repetitions added up. A round that failed is dropped while another succeeded."""
+    ok = [r for r in recs if r.get("status") == "ok" and r.get("median_s")]
+    if not ok:
+        return recs[0]
+    if len(ok) == 1:
+        return ok[0]
+    out = dict(ok[0])
+    out["median_s"] = statistics.median(r["median_s"] for r in ok)
+    mins = [r["min_s"] for r in ok if r.get("min_s")]
+    if mins:
+        out["min_s"] = min(mins)
+    out["reps"] = sum(r.get("reps", 0) for r in ok)
+    cvs = [r["cv"] for r in ok if r.get("cv") is not None]
+    if cvs:
+        out["cv"] = statistics.median(cvs)
+    means = [r["gb_mean_s"] for r in ok if r.get("gb_mean_s")]
+    if means:
+        out["gb_mean_s"] = statistics.median(means)
+    out["rounds"] = len(ok)
+    return out
+
+
 def rep_policy(args, f32_bytes):
     """(repetitions, min seconds per repetition) by tensor size: big shapes need few reps."""
     if args.reps:
@@ -683,7 +712,9 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
         " ".join("%s=%s" % (k, fmt_bytes(v)) for k, v in meta["caches"].items()), meta["thp"]))
     p("load average at start / end: %s / %s (2 cores shared with other work: timings are noisy;"
       " medians and ratios are quoted)" % (meta["load_start"], meta.get("load_end", "?")))
-    p("threads: %d everywhere; epsilon %g everywhere" % (args.threads, bc.EPSILON))
+    p("threads: %d everywhere; epsilon %g everywhere; %d round(s): each library's repetitions of a"
+      " shape split into rounds that alternate with the other libraries'" % (
+          args.threads, bc.EPSILON, args.rounds))
     p("versions: " + ", ".join("%s=%s" % kv for kv in sorted(versions.items())))
     if copy:
         p("")
@@ -740,8 +771,9 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
 
     # Per-case table.
     p("")
-    p("Per case: median us per call; speedup = best anchor / fbn; GB/s = fbn min traffic / time;"
-      " %copy = that / reference copy BW")
+    p("Per case: median us per call (with rounds > 1: the median over the rounds of each round's"
+      " median); speedup = best anchor / fbn; GB/s = fbn min traffic / time; %copy = that /"
+      " reference copy BW")
     hdr = "%-26s %-10s %-4s %-4s %-4s" % ("case", "pass", "dt", "lay", "cache")
     hdr += "".join("%10s" % lib for lib in libs) + "  %-9s %7s %7s %6s" % (
         "best", "speedup", "GB/s", "%copy")
@@ -1076,6 +1108,9 @@ def parse_args(argv):
     ap.add_argument("--shape", default="", help="regex on case ids, e.g. 'c256h56'")
     ap.add_argument("--reps", type=int, default=0, help="override repetitions")
     ap.add_argument("--min-time", type=float, default=None, help="override seconds per rep")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="rounds each library's repetitions are split into, alternating with the"
+                         " other libraries' (default: 1 with --quick, else 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
     ap.add_argument("--out", default="", help="output dir (default bench/results/<stamp>-<mode>)")
@@ -1097,6 +1132,8 @@ def parse_args(argv):
             ap.error("--%s: unknown %s (choose from %s)" % (name, bad, ",".join(allowed)))
     if not args.timeout:
         args.timeout = 600 if args.quick else 3600
+    if args.rounds <= 0:
+        args.rounds = 1 if args.quick else 3
     return args
 
 
@@ -1117,6 +1154,7 @@ def main(argv=None):
         "fbn_bench_built": built_time(os.path.join(args.build_dir, "bench", "fbn_bench")),
         "load_start": " ".join(read_first("/proc/loadavg").split()[:3]),
         "dram_bytes": int(args.dram_bytes or caches.get("L3", 32 << 20)),
+        "rounds": args.rounds,
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
     }
     log("fbn side-by-side benchmark -> %s" % out_dir)
@@ -1184,12 +1222,25 @@ def main(argv=None):
         load1 = read_first("/proc/loadavg").split()[0]
         for c in chunk:
             c["load1"] = load1
-        order = libs[i % len(libs):] + libs[:i % len(libs)]
-        took = []
-        for lib in order:
-            res, rc, secs = runner.run(lib, chunk, chunk[0]["id"])
-            results.update(res)
-            took.append("%s %.1fs%s" % (lib, secs, "" if rc == 0 else "(rc=%s)" % rc))
+        # Each library's repetitions are split into rounds that alternate with the other
+        # libraries' (the starting library rotating per round), so that a slow stretch of the host
+        # lands in one round of a library rather than in all of its repetitions; per case, the
+        # median over the rounds is kept (merge_rounds).
+        per_round = [dict(c, reps=round_reps(c["reps"], args.rounds)) for c in chunk]
+        rounds = {}
+        secs_of = {}
+        for r in range(args.rounds):
+            k = (i + r) % len(libs)
+            for lib in libs[k:] + libs[:k]:
+                tag = chunk[0]["id"] + ("_r%d" % r if args.rounds > 1 else "")
+                res, rc, secs = runner.run(lib, per_round, tag)
+                for key, rec in res.items():
+                    rounds.setdefault(key, []).append(rec)
+                prev = secs_of.get(lib, (0.0, 0))
+                secs_of[lib] = (prev[0] + secs, prev[1] if rc == 0 else rc)
+        results.update({key: merge_rounds(recs) for key, recs in rounds.items()})
+        took = ["%s %.1fs%s" % (lib, t, "" if rc == 0 else "(rc=%s)" % rc)
+                for lib, (t, rc) in secs_of.items()]
         log("  [%d/%d] %-26s load %s: %s  (%.0f s so far)" % (
             i + 1, len(chunks), chunk[0]["id"], load1, " ".join(took), time.time() - t_start))
         if i + 1 < len(chunks):  # keep a readable partial report on disk while the run goes on
