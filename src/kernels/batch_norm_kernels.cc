@@ -1102,7 +1102,13 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // 96x17x17x160 0.97x; training forward 0.68x, 0.99x, 0.90x; the rest unchanged.
   const bool l3_strips = std::is_same_v<T, BFloat16> && nt && read == RowRead::kL3;
   if (l3_strips) nt = PairsStream(d, C, c0, y + r0 * C);
-  if (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
+  // Float rows of exactly 4 KB stored regularly go in row order: strip by strip, a strip's loads
+  // and stores down the rows all fall in the same few L1 sets. Warm, alternating calls, row order /
+  // strips: inference 1x7x7x1024 0.47-0.49x the time, 1x14x14x1024 0.52-0.53x, 8x14x14x1024
+  // 0.63x, 32x14x14x1024 1.0-1.04x. Rows of 8 KB lost in training forwards (32x7x7x2048
+  // 1.12-1.16x): the three coefficient arrays then overflow L1 with the rows.
+  const bool page_rows = sizeof(T) >= 4 && !nt && C * static_cast<int64_t>(sizeof(T)) == 4096;
+  if (!page_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
     // in row order measured 1.35x slower (Xeon, 32x56x56x256, two threads) than strip by strip.

@@ -395,7 +395,8 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
 // bits as the regular-store strips.
 TEST(RowStatsTest, ApplyStreamedSameAsStored) {
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
-    for (int64_t C : {256, 80, 48}) {
+    // 1024: float rows of 4 KB are stored in row order and streamed in strips.
+    for (int64_t C : {256, 80, 48, 1024}) {
       SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
       const int64_t rows = 150;
       std::mt19937 rng(19);
