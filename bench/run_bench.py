@@ -1231,8 +1231,8 @@ def main(argv=None):
         secs_of = {}
         for r in range(args.rounds):
             k = (i + r) % len(libs)
+            tag = chunk[0]["id"] + ("_r%d" % r if args.rounds > 1 else "")
             for lib in libs[k:] + libs[:k]:
-                tag = chunk[0]["id"] + ("_r%d" % r if args.rounds > 1 else "")
                 res, rc, secs = runner.run(lib, per_round, tag)
                 for key, rec in res.items():
                     rounds.setdefault(key, []).append(rec)

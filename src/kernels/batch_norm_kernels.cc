@@ -387,9 +387,10 @@ HWY_INLINE MergeWeights WeightsFor(double count, double nb) {
 // time, float 32x14x14x1024, 128x14x14x1024 and 128x7x7x2048 0.90-0.93x; training forward
 // 0.85-0.97x). In cache the same blocks were 1.11-1.18x slower, and the gradient's two-tensor
 // sums gained nothing (0.98-1.02x).
+// Rows a whole number of pages apart map a strip's lines to the same few L1 sets.
+constexpr int64_t kPageBytes = 4096;
 HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes, int tensors, RowRead read) {
   constexpr int64_t kBlockBytes = 48 * 1024;
-  constexpr int64_t kPageBytes = 4096;
   constexpr int64_t kDramPageRowsBlock = 16;
   const int64_t row_bytes = channels * static_cast<int64_t>(elem_bytes);
   const bool dram = read == RowRead::kDram || read == RowRead::kPrefetch;
@@ -1107,7 +1108,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // strips: inference 1x7x7x1024 0.47-0.49x the time, 1x14x14x1024 0.52-0.53x, 8x14x14x1024
   // 0.63x, 32x14x14x1024 1.0-1.04x. Rows of 8 KB lost in training forwards (32x7x7x2048
   // 1.12-1.16x): the three coefficient arrays then overflow L1 with the rows.
-  const bool page_rows = sizeof(T) >= 4 && !nt && C * static_cast<int64_t>(sizeof(T)) == 4096;
+  const bool page_rows = sizeof(T) >= 4 && !nt && C * static_cast<int64_t>(sizeof(T)) == kPageBytes;
   if (!page_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
