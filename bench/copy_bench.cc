@@ -14,14 +14,24 @@
 //   ref/grad_chunked      the same per chunk of half the L2, dy and x together (3x counted).
 // Their time over the NT copy's for the same tensor is the ratio the targets bound.
 //
+// With --cases=FILE (the driver's case list), instead: per case, a copy of the case's tensor (its
+// bytes read, the same bytes written with streaming stores) on --threads threads, timed call by
+// call as fbn_bench times a call. The driver runs it in the same rounds as the libraries, so the
+// copy a forward inference is held against sees the same moments of the shared host (its
+// bandwidth moves by up to 1.6x from minute to minute).
+//
 //   copy_bench [--max_mb=N] [benchmark flags]
+//   copy_bench --cases=FILE [--threads=2] [benchmark flags]
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_util.h"
@@ -227,9 +237,148 @@ void BM_Memory(benchmark::State& state, Kind kind, size_t bytes) {
   state.SetBytesProcessed(counted * state.iterations());
 }
 
+// Bytes [0, bytes) of s copied to d with streaming stores; s and d 64-byte aligned.
+void CopyBytesNT(const char* s, char* d, size_t bytes) {
+  const size_t body = bytes / 256 * 256;
+  const float* fs = reinterpret_cast<const float*>(s);
+  float* fd = reinterpret_cast<float*>(d);
+  if (kHasAvx512) {
+    Copy512(fs, fd, body / sizeof(float), true);
+  } else {
+    Copy256(fs, fd, body / sizeof(float), true);
+  }
+  std::memcpy(d + body, s + body, bytes - body);
+}
+
+// The threads of the per-case copies: the caller takes the first slice, workers that stay up for
+// the whole program take the others (as a library's thread pool would), so a call pays a wake-up,
+// not a thread start.
+class CopyTeam {
+ public:
+  explicit CopyTeam(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { Loop(i); });
+  }
+  ~CopyTeam() {
+    quit_.store(true);
+    generation_.fetch_add(1);
+    for (std::thread& t : workers_) t.join();
+  }
+  CopyTeam(const CopyTeam&) = delete;
+  CopyTeam& operator=(const CopyTeam&) = delete;
+
+  void Copy(const char* s, char* d, size_t bytes) {
+    src_ = s;
+    dst_ = d;
+    bytes_ = bytes;
+    pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    CopySlice(0);
+    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  }
+
+ private:
+  // Slice i of T: page-aligned boundaries, the last slice takes the rest.
+  void CopySlice(int i) {
+    const size_t t = workers_.size() + 1;
+    const size_t per = bytes_ / t / 4096 * 4096;
+    const size_t begin = per * static_cast<size_t>(i);
+    const size_t end = static_cast<size_t>(i) + 1 == t ? bytes_ : begin + per;
+    CopyBytesNT(src_ + begin, dst_ + begin, end - begin);
+  }
+
+  void Loop(int i) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g;
+      int spins = 0;
+      while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+        if (++spins < 1 << 16) {
+          _mm_pause();
+        } else {
+          std::this_thread::yield();  // idle between cases: give the core back
+        }
+      }
+      seen = g;
+      if (quit_.load()) return;
+      CopySlice(i);
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  const char* src_ = nullptr;
+  char* dst_ = nullptr;
+  size_t bytes_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> quit_{false};
+  std::vector<std::thread> workers_;
+};
+
+void BM_CaseCopy(benchmark::State& state, fbn_bench::Case c, CopyTeam* team) {
+  // One case's buffers alive at a time; x is the input the libraries read (same fill).
+  static fbn_bench::Buffer x, y;
+  static std::string key;
+  if (key != c.BenchmarkName("copy")) {
+    y = fbn_bench::Buffer();  // free the previous case's output first
+    x = fbn_bench::SharedInput(c.elements(), c.dtype, 0);
+    y = fbn_bench::Buffer(c.tensor_bytes());
+    key = c.BenchmarkName("copy");
+    team->Copy(x.as<char>(), y.as<char>(), c.tensor_bytes());  // untimed, as fbn_bench's first
+  }
+  std::vector<double> calls;
+  calls.reserve(4096);
+  for (auto _ : state) {
+    if (c.cold) {
+      fbn_bench::FlushFromCache(x.data(), x.bytes());
+      fbn_bench::FlushFromCache(y.data(), y.bytes());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    team->Copy(x.as<char>(), y.as<char>(), c.tensor_bytes());
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (c.cold) state.SetIterationTime(dt);
+    calls.push_back(dt);
+    benchmark::ClobberMemory();
+  }
+  if (!calls.empty()) {
+    state.counters["call_min_us"] = 1e6 * *std::min_element(calls.begin(), calls.end());
+    state.counters["call_med_us"] = 1e6 * fbn_bench::MedianOf(&calls);
+  }
+  state.counters["tensor_bytes"] = static_cast<double>(c.tensor_bytes());
+}
+
+int RunCases(const std::string& path, int threads, int argc, char** argv) {
+  std::vector<fbn_bench::Case> cases;
+  std::string error;
+  if (!fbn_bench::ReadCases(path, &cases, &error)) {
+    std::fprintf(stderr, "%s\n", error.c_str());
+    return 2;
+  }
+  static CopyTeam team(std::max(1, threads));
+  for (const fbn_bench::Case& c : cases) {
+    auto* b = benchmark::RegisterBenchmark(c.BenchmarkName("copy").c_str(), BM_CaseCopy, c, &team);
+    b->Unit(benchmark::kMicrosecond);
+    if (c.reps > 0) b->Repetitions(c.reps);
+    if (c.min_time > 0) b->MinTime(c.min_time);
+    if (c.cold) b->UseManualTime();
+    b->ComputeStatistics(
+        "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+  }
+  benchmark::AddCustomContext("library", "copy");
+  benchmark::AddCustomContext("copy_threads", std::to_string(threads));
+  benchmark::AddCustomContext("cpu_model", fbn_bench::CpuModelName());
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string cases_path = fbn_bench::TakeFlag(&argc, argv, "cases", "");
+  const int threads = std::stoi(fbn_bench::TakeFlag(&argc, argv, "threads", "2"));
+  if (!cases_path.empty()) return RunCases(cases_path, threads, argc, argv);
   // Default: 2x the L3 that sysfs reports (at least 512 MiB), so src + dst span 4x the LLC.
   const std::string max_mb_flag = fbn_bench::TakeFlag(&argc, argv, "max_mb", "0");
   size_t max_mb = std::stoul(max_mb_flag);
