@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "case_timing.h"
 
 namespace {
 
@@ -325,25 +326,12 @@ void BM_CaseCopy(benchmark::State& state, fbn_bench::Case c, CopyTeam* team) {
     key = c.BenchmarkName("copy");
     team->Copy(x.as<char>(), y.as<char>(), c.tensor_bytes());  // untimed, as fbn_bench's first
   }
-  std::vector<double> calls;
-  calls.reserve(4096);
-  for (auto _ : state) {
-    if (c.cold) {
-      fbn_bench::FlushFromCache(x.data(), x.bytes());
-      fbn_bench::FlushFromCache(y.data(), y.bytes());
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    team->Copy(x.as<char>(), y.as<char>(), c.tensor_bytes());
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (c.cold) state.SetIterationTime(dt);
-    calls.push_back(dt);
-    benchmark::ClobberMemory();
-  }
-  if (!calls.empty()) {
-    state.counters["call_min_us"] = 1e6 * *std::min_element(calls.begin(), calls.end());
-    state.counters["call_med_us"] = 1e6 * fbn_bench::MedianOf(&calls);
-  }
-  state.counters["tensor_bytes"] = static_cast<double>(c.tensor_bytes());
+  fbn_bench::TimeCalls(
+      state, c, [&] { team->Copy(x.as<char>(), y.as<char>(), c.tensor_bytes()); },
+      [&] {
+        fbn_bench::FlushFromCache(x.data(), x.bytes());
+        fbn_bench::FlushFromCache(y.data(), y.bytes());
+      });
 }
 
 int RunCases(const std::string& path, int threads, int argc, char** argv) {
@@ -355,13 +343,7 @@ int RunCases(const std::string& path, int threads, int argc, char** argv) {
   }
   static CopyTeam team(std::max(1, threads));
   for (const fbn_bench::Case& c : cases) {
-    auto* b = benchmark::RegisterBenchmark(c.BenchmarkName("copy").c_str(), BM_CaseCopy, c, &team);
-    b->Unit(benchmark::kMicrosecond);
-    if (c.reps > 0) b->Repetitions(c.reps);
-    if (c.min_time > 0) b->MinTime(c.min_time);
-    if (c.cold) b->UseManualTime();
-    b->ComputeStatistics(
-        "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+    fbn_bench::RegisterCase("copy", c, BM_CaseCopy, &team);
   }
   benchmark::AddCustomContext("library", "copy");
   benchmark::AddCustomContext("copy_threads", std::to_string(threads));

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "case_timing.h"
 #include "fbn/fbn.h"
 
 namespace {
@@ -231,24 +232,13 @@ void BM_Fbn(benchmark::State& state, Case c) {
     g_failed = true;
     return;
   }
-  // Every call is timed on its own (steady_clock costs ~20 ns, under 2% of the smallest case).
-  std::vector<double> calls;
-  calls.reserve(4096);
-  for (auto _ : state) {
-    if (c.cold) p->Flush();
-    const auto t0 = std::chrono::steady_clock::now();
-    s = p->Run();
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (c.cold) state.SetIterationTime(dt);
-    calls.push_back(dt);
-    benchmark::DoNotOptimize(s);
-    benchmark::ClobberMemory();
-  }
-  if (!calls.empty()) {
-    state.counters["call_min_us"] = 1e6 * *std::min_element(calls.begin(), calls.end());
-    state.counters["call_med_us"] = 1e6 * fbn_bench::MedianOf(&calls);
-  }
-  state.counters["tensor_bytes"] = static_cast<double>(c.tensor_bytes());
+  fbn_bench::TimeCalls(
+      state, c,
+      [p, &s] {
+        s = p->Run();
+        benchmark::DoNotOptimize(s);
+      },
+      [p] { p->Flush(); });
 }
 
 std::vector<Case> SmokeCases() {
@@ -322,13 +312,7 @@ int main(int argc, char** argv) {
     }
   }
   for (const Case& c : cases) {
-    auto* b = benchmark::RegisterBenchmark(c.BenchmarkName("fbn").c_str(), BM_Fbn, c);
-    b->Unit(benchmark::kMicrosecond);
-    if (c.reps > 0) b->Repetitions(c.reps);
-    if (c.min_time > 0) b->MinTime(c.min_time);
-    if (c.cold) b->UseManualTime();
-    b->ComputeStatistics(
-        "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+    fbn_bench::RegisterCase("fbn", c, BM_Fbn);
   }
   benchmark::AddCustomContext("library", "fbn");
   benchmark::AddCustomContext("fbn_version", FBN_VERSION_STRING);

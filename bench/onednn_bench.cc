@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "case_timing.h"
 
 namespace {
 
@@ -217,23 +218,8 @@ void BM_Onednn(benchmark::State& state, Case c) {
     return;
   }
   state.SetLabel(p->impl());
-  // Every call is timed on its own (steady_clock costs ~20 ns, under 2% of the smallest case).
-  std::vector<double> calls;
-  calls.reserve(4096);
-  for (auto _ : state) {
-    if (c.cold) p->Flush();
-    const auto t0 = std::chrono::steady_clock::now();
-    p->Run();
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (c.cold) state.SetIterationTime(dt);
-    calls.push_back(dt);
-    benchmark::ClobberMemory();
-  }
-  if (!calls.empty()) {
-    state.counters["call_min_us"] = 1e6 * *std::min_element(calls.begin(), calls.end());
-    state.counters["call_med_us"] = 1e6 * fbn_bench::MedianOf(&calls);
-  }
-  state.counters["tensor_bytes"] = static_cast<double>(c.tensor_bytes());
+  fbn_bench::TimeCalls(
+      state, c, [p] { p->Run(); }, [p] { p->Flush(); });
 }
 
 int RunParity(const std::string& dir, const std::string& shape) {
@@ -292,13 +278,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (const Case& c : cases) {
-    auto* b = benchmark::RegisterBenchmark(c.BenchmarkName("onednn").c_str(), BM_Onednn, c);
-    b->Unit(benchmark::kMicrosecond);
-    if (c.reps > 0) b->Repetitions(c.reps);
-    if (c.min_time > 0) b->MinTime(c.min_time);
-    if (c.cold) b->UseManualTime();
-    b->ComputeStatistics(
-        "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+    fbn_bench::RegisterCase("onednn", c, BM_Onednn);
   }
   const dnnl_version_t* v = dnnl_version();
   benchmark::AddCustomContext("library", "onednn");
