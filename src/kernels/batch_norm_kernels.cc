@@ -753,6 +753,70 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   }
 }
 
+// Channels-last statistics in two sweeps of a whole row range (the driver merges the ranges'
+// results between the sweeps). Sweep 1: bm[c] = K + Σ(x - K)/n with K the range's first row.
+// With kFlushed (rows from DRAM) the sweep reads rows in order (RowMean, the same bits).
+template <typename T>
+void MeanRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1, void* bmv,
+              void* tmpv, RowRead read) {
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  A* bm = static_cast<A*>(bmv);
+  A* tmp = static_cast<A*>(tmpv);
+  const AccTag<T> d;
+  const A n = static_cast<A>(r1 - r0);
+  const auto vinv = hn::Set(d, A(1) / n);
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  int64_t cv;
+  if (read == RowRead::kFlushed) {
+    cv = c0 + (c1 - c0) / N * N;
+    RowMean(d, x, C, c0, cv, r0, r1, vinv, bm, tmp, tmp + C);
+  } else {
+    cv = ForEachStrip<kWideStripVectors>(d, c0, c1, [&](auto k, int64_t c) {
+      StripMean<decltype(k)::value>(d, x, C, c, r0, r1, r0, vinv, bm);
+    });
+  }
+  if (cv < c1) {
+    const T* pivot = x + r0 * C;
+    for (int64_t c = cv; c < c1; ++c) bm[c] = A(0);
+    for (int64_t r = r0 + 1; r < r1; ++r) {
+      const T* xr = x + r * C;
+      for (int64_t c = cv; c < c1; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
+    }
+    for (int64_t c = cv; c < c1; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / n;
+  }
+}
+
+// Sweep 2: s1[c] = Σ(x - m), s2[c] = Σ(x - m)² about the merged mean m. tmp: 2·C accumulators.
+template <typename T>
+void DeviationRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+                   const void* mv, double* s1, double* s2, void* tmpv) {
+  using A = Acc<T>;
+  const T* x = static_cast<const T*>(xv);
+  const A* m = static_cast<const A*>(mv);
+  A* bd = static_cast<A*>(tmpv);
+  A* bd2 = bd + C;
+  const AccTag<T> d;
+  const int64_t cv = ForEachStrip<kWideStripVectors>(d, c0, c1, [&](auto k, int64_t c) {
+    StripDeviations<decltype(k)::value>(d, x, C, c, r0, r1, m, bd, bd2);
+  });
+  if (cv < c1) {
+    for (int64_t c = cv; c < c1; ++c) bd[c] = bd2[c] = A(0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * C;
+      for (int64_t c = cv; c < c1; ++c) {
+        const A dd = ToAcc(xr[c]) - m[c];
+        bd[c] += dd;
+        bd2[c] += dd * dd;
+      }
+    }
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    s1[c] = static_cast<double>(bd[c]);
+    s2[c] = static_cast<double>(bd2[c]);
+  }
+}
+
 // Calls f(offset, len, v) for the contiguous pieces of elements [v0, v1) of a channel laid out as
 // planes of S elements `plane_stride` apart, offsets counted from the channel's first element; v
 // is the piece's first element index.
@@ -2065,6 +2129,8 @@ void TransposeImages(const void* srcv, void* dstv, int64_t images, int64_t rows,
 template <typename T>
 void FillEntry(KernelEntry* e) {
   e->stats_rows = &StatsRows<T>;
+  e->mean_rows = &MeanRows<T>;
+  e->deviation_rows = &DeviationRows<T>;
   e->stats_run = &StatsRun<T>;
   e->stats_runs = &StatsRuns<T>;
   e->stats_images = &StatsImages<T>;

@@ -27,6 +27,14 @@ struct KernelEntry {
   // `read`: where x comes from (RowRead).
   void (*stats_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
                      double* mean, double* m2, void* tmp, RowRead read);
+  // The statistics in two sweeps of the range: mean_rows writes bm (accumulation type, indexed by
+  // channel) = K + Σ(x - K)/n with K row r0 (with kFlushed reading rows in order, the same
+  // values); deviation_rows writes s1 = Σ(x - m) and s2 = Σ(x - m)² about m (accumulation type).
+  // tmp: 2·C accumulators of scratch.
+  void (*mean_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+                    void* bm, void* tmp, RowRead read);
+  void (*deviation_rows)(const void* x, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
+                         const void* m, double* s1, double* s2, void* tmp);
   // Channels-first statistics of elements [v0, v1) of one channel laid out as planes of S.
   void (*stats_run)(const void* base, int64_t plane_stride, int64_t S, int64_t v0, int64_t v1,
                     double* mean, double* m2);

@@ -920,6 +920,34 @@ TEST(FusedBatchNormEdge, InfInXGivesInfMean) {
   }
 }
 
+// The same on a 2-4 MB channels-last tensor of wide rows (two-sweep statistics where the L3 is a
+// victim cache): the merged mean and the deviations about it carry the infinities.
+TEST(FusedBatchNormEdge, InfInWideRowsGivesInfMean) {
+  const Shape shape{8, 16, 16, 256};
+  for (DataType t : kAllDtypes) {
+    SCOPED_TRACE(DTypeTag(t));
+    const DataType u = StatsType(t);
+    ForwardIO io;
+    io.x = Filled(t, shape, 0.5);
+    const int64_t rows = io.x.size() / 256;
+    io.x.Set((rows - 1) * 256 + 0, std::numeric_limits<double>::infinity());
+    io.x.Set(rows / 2 * 256 + 1, -std::numeric_limits<double>::infinity());
+    io.x.Set(2, std::numeric_limits<double>::infinity());
+    io.x.Set((rows - 1) * 256 + 2, -std::numeric_limits<double>::infinity());
+    io.scale = io.offset = io.mean = io.variance = Filled(u, Shape{256}, 1.0);
+    const auto attrs = Attrs(true, 1.0f, TensorFormat::kNHWC);
+    ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+    const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(io.batch_mean.Get(0), std::numeric_limits<double>::infinity());
+    EXPECT_EQ(io.batch_mean.Get(1), -std::numeric_limits<double>::infinity());
+    EXPECT_TRUE(std::isnan(io.batch_mean.Get(2)));
+    for (int c = 0; c < 3; ++c) EXPECT_TRUE(std::isnan(io.batch_variance.Get(c))) << c;
+    EXPECT_EQ(io.batch_mean.Get(3), 0.5);
+    EXPECT_EQ(io.batch_variance.Get(3), 0.0);
+  }
+}
+
 TEST(FusedBatchNormEdge, ZeroChannels) {
   for (TensorFormat format : kAllFormats) {
     SCOPED_TRACE(FormatTag(format));
@@ -1257,11 +1285,20 @@ INSTANTIATE_TEST_SUITE_P(All, LayoutEquivalence,
 
 // Statistics of data far from zero: fbn's two-pass reduction keeps the variance accurate where
 // E[x^2] - E[x]^2 in float would lose every digit.
+// The 4 MB channels-last shape takes the two-sweep statistics where the L3 is a victim cache.
 TEST(FusedBatchNormAccuracy, LargeOffsetVariance) {
-  for (TensorFormat format : {TensorFormat::kNHWC, TensorFormat::kNCHW}) {
-    SCOPED_TRACE(FormatTag(format));
-    const int64_t C = 5;
-    const Shape xs = MakeShape(format, 8, C, {31, 33});
+  struct Case {
+    TensorFormat format;
+    int64_t n, c;
+    std::vector<int64_t> spatial;
+  };
+  for (const Case& k :
+       {Case{TensorFormat::kNHWC, 8, 5, {31, 33}}, Case{TensorFormat::kNCHW, 8, 5, {31, 33}},
+        Case{TensorFormat::kNHWC, 16, 260, {16, 16}}}) {
+    const TensorFormat format = k.format;
+    SCOPED_TRACE(FormatTag(format) + " C=" + std::to_string(k.c));
+    const int64_t C = k.c;
+    const Shape xs = MakeShape(format, k.n, C, k.spatial);
     std::mt19937 rng(5);
     ForwardIO io;
     io.x = RandomTensor(DataType::kFloat32, xs, 999.0, 1001.0, &rng);

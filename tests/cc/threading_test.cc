@@ -57,6 +57,9 @@ const Workload kWorkloads[] = {
     // 7x7 planes read four channels at a time (67 channels: a tail of three).
     {"nchw_image_order", TensorFormat::kNCHW, {3, 1501, 30, 27}},
     {"nchw_image_order_7x7", TensorFormat::kNCHW, {32, 67, 7, 7}},
+    // 2-4 MB of rows of at least 512 bytes: statistics in two sweeps of four row ranges (where
+    // the L3 is a victim cache), with a channel tail.
+    {"nhwc_two_sweeps", TensorFormat::kNHWC, {8, 16, 16, 520}},
 };
 
 // All outputs of forward training and both gradients, as raw bytes.
@@ -229,6 +232,8 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       {"nhwc_groups", TensorFormat::kNHWC, {1, 7, 7, 2048}},
       // Evicted float statistics read rows in order (RowRead::kFlushed), cached ones in strips.
       {"nhwc_images", TensorFormat::kNHWC, {8, 14, 14, 160}},
+      // Two-sweep statistics: the first sweep reads evicted rows in order, cached ones in strips.
+      {"nhwc_two_sweeps", TensorFormat::kNHWC, {8, 16, 16, 520}},
       // Small enough for one thread when cached, two when not.
       {"nhwc_small", TensorFormat::kNHWC, {1, 7, 7, 512}},
       {"nchw_small", TensorFormat::kNCHW, {1, 512, 7, 7}},
