@@ -351,15 +351,16 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
   }
 }
 
-// The frozen gradient's streamed dx: row-order sweeps (kL2, and kDram over 128 channels: C 256)
+// The frozen gradient's streamed dx: row-order sweeps (kL2, and kDram over 128 channels: C 256
+// and 2048; bfloat16 sweeps pairs there, two rows at a time for 2048, with an odd last row)
 // and strips (kL3, kFlushed, and kDram on narrow rows: C 80 and 48;
 // bfloat16 streams there only in whole aligned pairs, 256 channels, else stores regularly) give the
 // bits of the regular-store strips. dx is 64-byte aligned, so the streaming stores do run.
 TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
-    for (int64_t C : {256, 80, 48}) {
+    for (int64_t C : {256, 80, 48, 2048}) {
       SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
-      const int64_t rows = 150;
+      const int64_t rows = 151;
       std::mt19937 rng(17);
       const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
       const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
