@@ -1655,7 +1655,26 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
       // One row-major sweep reading dy and x in order, with the block sums in memory (strips
       // measured 12-35% slower from DRAM, reading and writing each row in pieces).
       for (int64_t c = c0; c < cv; ++c) s[c] = t[c] = A(0);
-      for (int64_t r = b0; r < b1; ++r) {
+      // Rows of 4 KB and more load and store the sums once per two rows (same operations per
+      // lane, so the same bits): frozen float gradients alternating in one process, 128x7x7x2048
+      // 0.81-0.84x the time warm and cold, 32x14x14x1024 0.88x, 128x14x14x1024 0.95x.
+      int64_t r = b0;
+      if (C * static_cast<int64_t>(sizeof(T)) >= kPageBytes) {
+        for (; r + 2 <= b1; r += 2) {
+          const int64_t o = r * C;
+          for (int64_t c = c0; c < cv; c += N) {
+            const auto m = hn::LoadU(d, mean + c), k = hn::LoadU(d, k1 + c);
+            const auto g0 = LoadAcc(d, dy + o + c), g1 = LoadAcc(d, dy + o + C + c);
+            const auto x0 = hn::Sub(LoadAcc(d, x + o + c), m);
+            const auto x1 = hn::Sub(LoadAcc(d, x + o + C + c), m);
+            hn::StoreU(hn::Add(hn::Add(hn::LoadU(d, s + c), g0), g1), d, s + c);
+            hn::StoreU(hn::MulAdd(g1, x1, hn::MulAdd(g0, x0, hn::LoadU(d, t + c))), d, t + c);
+            StoreAcc(d, hn::Mul(g0, k), dx + o + c, true);
+            StoreAcc(d, hn::Mul(g1, k), dx + o + C + c, true);
+          }
+        }
+      }
+      for (; r < b1; ++r) {
         const int64_t o = r * C;
         for (int64_t c = c0; c < cv; c += N) {
           const auto g = LoadAcc(d, dy + o + c);
