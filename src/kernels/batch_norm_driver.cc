@@ -758,7 +758,7 @@ void ImageStats(DataType dtype, const Geometry& g, const void* x, int threads, d
   }
 }
 
-// Channels-last statistics of tensors a victim L3 holds (from two L2s to half the L3) take two
+// Channels-last statistics of tensors a victim L3 holds (from one L2 to half the L3) take two
 // sweeps of the whole tensor, the row ranges' results merged between them: the means, then the
 // sums of deviations about the merged mean. StatsRows' block-by-block passes re-read each block
 // from L2 one row per access, a stride the prefetchers do not follow across pages; one strip
@@ -768,8 +768,10 @@ void ImageStats(DataType dtype, const Geometry& g, const void* x, int threads, d
 // geomean 0.94x the time; 32x7x7x2048 float 0.77x warm and cold, bfloat16 0.64x warm and 0.78x
 // cold, 96x8x8x448 float 0.87x warm; the losses are cold 12.8 MB tensors of 2 KB rows, whose
 // second sweep reads from L3 what the blocks read from L2 (32x14x14x1024 bfloat16 1.11x,
-// 128x7x7x512 float 1.10x, 32x14x14x512 float 1.07x), and 96x8x8x192 float warm 1.06x. Rows
-// narrower than kTwoSweepRowBytes keep the blocks.
+// 128x7x7x512 float 1.10x, 32x14x14x512 float 1.07x), and 96x8x8x192 float warm 1.06x. From
+// one L2 to two: 1.6 MB tensors 0.86-1.0x (32x7x7x512 bfloat16 0.91x warm, 0.87x cold); at 0.8
+// MB 0.96-1.08x, so smaller tensors keep the blocks, as do rows narrower than
+// kTwoSweepRowBytes.
 constexpr int64_t kTwoSweepRowBytes = 512;
 // Sweep ranges (whole rows, all channels): about this many bytes each, a multiple of
 // kSweepTaskMultiple of them (the partition depends on the shape only, and balances 2 and 4
@@ -784,7 +786,7 @@ constexpr int64_t kMaxSweepRows = 2048;
 bool StatsInTwoSweeps(const Geometry& g, size_t es) {
   const double bytes = static_cast<double>(g.elements() * static_cast<int64_t>(es));
   return g.channels_last && g.c * static_cast<int64_t>(es) >= kTwoSweepRowBytes &&
-         g.n * g.s >= kSweepTaskMultiple * kMinRowsPerTask && bytes >= 2 * L2Bytes() &&
+         g.n * g.s >= kSweepTaskMultiple * kMinRowsPerTask && bytes > L2Bytes() &&
          bytes <= VictimL3Bytes() / 2;
 }
 
