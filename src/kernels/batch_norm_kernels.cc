@@ -682,6 +682,32 @@ HWY_INLINE void RowMean(D d, const T* x, int64_t C, int64_t c0, int64_t cv, int6
   }
 }
 
+// The scalar channels [cv, c1) past the last whole vector, with the strips' operations: the
+// pivoted block mean of rows [b0, b1) into bm, and the deviations about m into bd and bd2.
+template <typename T, typename A>
+void TailMean(const T* x, int64_t C, int64_t cv, int64_t c1, int64_t b0, int64_t b1, A nb, A* bm) {
+  const T* pivot = x + b0 * C;
+  for (int64_t c = cv; c < c1; ++c) bm[c] = A(0);
+  for (int64_t r = b0 + 1; r < b1; ++r) {
+    const T* xr = x + r * C;
+    for (int64_t c = cv; c < c1; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
+  }
+  for (int64_t c = cv; c < c1; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / nb;
+}
+template <typename T, typename A>
+void TailDeviations(const T* x, int64_t C, int64_t cv, int64_t c1, int64_t b0, int64_t b1,
+                    const A* m, A* bd, A* bd2) {
+  for (int64_t c = cv; c < c1; ++c) bd[c] = bd2[c] = A(0);
+  for (int64_t r = b0; r < b1; ++r) {
+    const T* xr = x + r * C;
+    for (int64_t c = cv; c < c1; ++c) {
+      const A dd = ToAcc(xr[c]) - m[c];
+      bd[c] += dd;
+      bd2[c] += dd * dd;
+    }
+  }
+}
+
 // Channels-last: statistics of rows [r0, r1) and channels [c0, c1) of rows of C channels.
 // `mean`/`m2` (indexed by channel) receive the range's mean and centred sum of squares; `tmp` holds
 // 3·C accumulators. Both passes read the block strip by strip with register accumulators, the
@@ -722,21 +748,8 @@ void StatsRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
       cv = ForEachStripFor<kStatsStripVectors<T>>(read, d, c0, c1, strip);
     }
     if (cv < c1) {
-      const T* pivot = x + b0 * C;
-      for (int64_t c = cv; c < c1; ++c) bm[c] = bd[c] = bd2[c] = A(0);
-      for (int64_t r = b0 + 1; r < b1; ++r) {
-        const T* xr = x + r * C;
-        for (int64_t c = cv; c < c1; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
-      }
-      for (int64_t c = cv; c < c1; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / nb;
-      for (int64_t r = b0; r < b1; ++r) {
-        const T* xr = x + r * C;
-        for (int64_t c = cv; c < c1; ++c) {
-          const A dd = ToAcc(xr[c]) - bm[c];
-          bd[c] += dd;
-          bd2[c] += dd * dd;
-        }
-      }
+      TailMean(x, C, cv, c1, b0, b1, nb, bm);
+      TailDeviations(x, C, cv, c1, b0, b1, bm, bd, bd2);
     }
     const MergeWeights mw = WeightsFor(count, static_cast<double>(nb));
     for (int64_t c = c0; c < c1; ++c) {
@@ -776,15 +789,7 @@ void MeanRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int
       StripMean<decltype(k)::value>(d, x, C, c, r0, r1, r0, vinv, bm);
     });
   }
-  if (cv < c1) {
-    const T* pivot = x + r0 * C;
-    for (int64_t c = cv; c < c1; ++c) bm[c] = A(0);
-    for (int64_t r = r0 + 1; r < r1; ++r) {
-      const T* xr = x + r * C;
-      for (int64_t c = cv; c < c1; ++c) bm[c] += ToAcc(xr[c]) - ToAcc(pivot[c]);
-    }
-    for (int64_t c = cv; c < c1; ++c) bm[c] = ToAcc(pivot[c]) + bm[c] / n;
-  }
+  if (cv < c1) TailMean(x, C, cv, c1, r0, r1, n, bm);
 }
 
 // Sweep 2: s1[c] = Σ(x - m), s2[c] = Σ(x - m)² about the merged mean m. tmp: 2·C accumulators.
@@ -800,17 +805,7 @@ void DeviationRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0
   const int64_t cv = ForEachStrip<kWideStripVectors>(d, c0, c1, [&](auto k, int64_t c) {
     StripDeviations<decltype(k)::value>(d, x, C, c, r0, r1, m, bd, bd2);
   });
-  if (cv < c1) {
-    for (int64_t c = cv; c < c1; ++c) bd[c] = bd2[c] = A(0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * C;
-      for (int64_t c = cv; c < c1; ++c) {
-        const A dd = ToAcc(xr[c]) - m[c];
-        bd[c] += dd;
-        bd2[c] += dd * dd;
-      }
-    }
-  }
+  if (cv < c1) TailDeviations(x, C, cv, c1, r0, r1, m, bd, bd2);
   for (int64_t c = c0; c < c1; ++c) {
     s1[c] = static_cast<double>(bd[c]);
     s2[c] = static_cast<double>(bd2[c]);

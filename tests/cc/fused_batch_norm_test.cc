@@ -881,6 +881,19 @@ TEST(FusedBatchNormEdge, EmptyBatchGivesNaNStatistics) {
 // TensorFlow sums plainly: a channel holding +Inf has mean +Inf, one holding both signs NaN; the
 // variance and y of such a channel are NaN. Covers the channels-last rows, the channels-first
 // fused per-channel path and the split (multi-task) channels-first path.
+// Runs a V3 training forward of io.x (C channels; +inf in channel 0, -inf in channel 1, both in
+// channel 2) and checks the batch means: inf, -inf, NaN.
+void TrainWithInfinities(DataType u, int64_t C, TensorFormat format, ForwardIO& io) {
+  io.scale = io.offset = io.mean = io.variance = Filled(u, Shape{C}, 1.0);
+  const auto attrs = Attrs(true, 1.0f, format);
+  ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
+  const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(io.batch_mean.Get(0), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(io.batch_mean.Get(1), -std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isnan(io.batch_mean.Get(2)));
+}
+
 TEST(FusedBatchNormEdge, InfInXGivesInfMean) {
   const std::vector<std::pair<TensorFormat, Shape>> cases = {
       {TensorFormat::kNHWC, Shape{4, 9, 7, 3}},
@@ -905,14 +918,7 @@ TEST(FusedBatchNormEdge, InfInXGivesInfMean) {
       io.x.Set(index(1, n / 6), -std::numeric_limits<double>::infinity());
       io.x.Set(index(2, 0), std::numeric_limits<double>::infinity());
       io.x.Set(index(2, n / 3 - 1), -std::numeric_limits<double>::infinity());
-      io.scale = io.offset = io.mean = io.variance = Filled(u, Shape{3}, 1.0);
-      const auto attrs = Attrs(true, 1.0f, format);
-      ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
-      const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      EXPECT_EQ(io.batch_mean.Get(0), std::numeric_limits<double>::infinity());
-      EXPECT_EQ(io.batch_mean.Get(1), -std::numeric_limits<double>::infinity());
-      EXPECT_TRUE(std::isnan(io.batch_mean.Get(2)));
+      ASSERT_NO_FATAL_FAILURE(TrainWithInfinities(u, 3, format, io));
       EXPECT_EQ(io.rs1.Get(0), std::numeric_limits<double>::infinity());
       for (int c = 0; c < 3; ++c) EXPECT_TRUE(std::isnan(io.batch_variance.Get(c)));
       EXPECT_TRUE(std::isnan(io.y.Get(index(0, 1))));
@@ -934,14 +940,7 @@ TEST(FusedBatchNormEdge, InfInWideRowsGivesInfMean) {
     io.x.Set(rows / 2 * 256 + 1, -std::numeric_limits<double>::infinity());
     io.x.Set(2, std::numeric_limits<double>::infinity());
     io.x.Set((rows - 1) * 256 + 2, -std::numeric_limits<double>::infinity());
-    io.scale = io.offset = io.mean = io.variance = Filled(u, Shape{256}, 1.0);
-    const auto attrs = Attrs(true, 1.0f, TensorFormat::kNHWC);
-    ASSERT_NO_FATAL_FAILURE(io.AllocateOutputs(OpVersion::kV3, attrs));
-    const Status s = fbn::FusedBatchNorm(OpVersion::kV3, io.Inputs(), attrs, io.Outputs());
-    ASSERT_TRUE(s.ok()) << s.ToString();
-    EXPECT_EQ(io.batch_mean.Get(0), std::numeric_limits<double>::infinity());
-    EXPECT_EQ(io.batch_mean.Get(1), -std::numeric_limits<double>::infinity());
-    EXPECT_TRUE(std::isnan(io.batch_mean.Get(2)));
+    ASSERT_NO_FATAL_FAILURE(TrainWithInfinities(u, 256, TensorFormat::kNHWC, io));
     for (int c = 0; c < 3; ++c) EXPECT_TRUE(std::isnan(io.batch_variance.Get(c))) << c;
     EXPECT_EQ(io.batch_mean.Get(3), 0.5);
     EXPECT_EQ(io.batch_variance.Get(3), 0.0);
