@@ -848,15 +848,7 @@ void TwoSweepStats(DataType dtype, const Geometry& g, const void* x, const RowPa
     e.deviation_rows(x, C, 0, C, r0, std::min(rows, r0 + p.rows_per_task), mbuf, s + 3 * C,
                      s + 4 * C, s + C);
   });
-  std::fill(mean, mean + C, 0.0);
-  std::fill(variance, variance + C, 0.0);
-  for (int64_t t = 0; t < p.row_tasks; ++t) {
-    const double* s = partial + slot * static_cast<size_t>(t);
-    for (int64_t c = 0; c < C; ++c) {
-      mean[c] += s[3 * C + c];
-      variance[c] += s[4 * C + c];
-    }
-  }
+  MergeRowSums(p, C, partial + 3 * C, slot, 0, C, mean, variance);  // Σd, Σd² in range order
   const double n = static_cast<double>(rows);
   bool nan = false;
   for (int64_t c = 0; c < C; ++c) {
@@ -882,13 +874,13 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
   const int64_t C = g.c;
   if (g.channels_last) {
     const int64_t rows = g.n * g.s;
-    const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
     if (StatsInTwoSweeps(g, es)) {
       const RowRead first =
           InputFromMemory(g, static_cast<double>(es), probe) ? RowRead::kFlushed : RowRead::kL3;
       return TwoSweepStats(dtype, g, x, SweepPartition(rows, C, es), threads, first, mean,
                            variance);
     }
+    const RowPartition p = PartitionRows(rows, C, static_cast<double>(es));
     const RowRead read = StatsRead(g, es, threads, probe);
     const size_t slot = static_cast<size_t>(5 * C);  // mean, m2, 3·C scratch accumulators
     double* partial = Scratch(slot * static_cast<size_t>(p.row_tasks));

@@ -1544,33 +1544,25 @@ HWY_INLINE void ReducePairRows(D d, const BFloat16* dy, const BFloat16* x, int64
                   BF16PairBits(d, hn::Mul(ge, hn::LoadU(d, k)), hn::Mul(go, hn::LoadU(d, k + N))),
                   dx + o + c, true);
   };
-  int64_t r = b0;
-  for (; C * static_cast<int64_t>(sizeof(BFloat16)) >= kPageBytes && r + 2 <= b1; r += 2) {
-    const int64_t o = r * C;
+  // `k` rows from row r: each pair's sums loaded once, updated k times, stored once.
+  const auto rows_from = [&](auto k, int64_t r) {
     for (int64_t c = c0; c < c1; c += 2 * N) {
       const float* m = split + (c - c0);
-      const float* k = split + width + (c - c0);
+      const float* kc = split + width + (c - c0);
       auto se = hn::LoadU(d, s + c), so = hn::LoadU(d, s + c + N);
       auto te = hn::LoadU(d, t + c), to = hn::LoadU(d, t + c + N);
-      row(o, c, m, k, se, so, te, to);
-      row(o + C, c, m, k, se, so, te, to);
+      for (int j = 0; j < decltype(k)::value; ++j) row((r + j) * C, c, m, kc, se, so, te, to);
       hn::StoreU(se, d, s + c);
       hn::StoreU(so, d, s + c + N);
       hn::StoreU(te, d, t + c);
       hn::StoreU(to, d, t + c + N);
     }
+  };
+  int64_t r = b0;
+  if (C * static_cast<int64_t>(sizeof(BFloat16)) >= kPageBytes) {
+    for (; r + 2 <= b1; r += 2) rows_from(std::integral_constant<int, 2>(), r);
   }
-  for (; r < b1; ++r) {
-    for (int64_t c = c0; c < c1; c += 2 * N) {
-      auto se = hn::LoadU(d, s + c), so = hn::LoadU(d, s + c + N);
-      auto te = hn::LoadU(d, t + c), to = hn::LoadU(d, t + c + N);
-      row(r * C, c, split + (c - c0), split + width + (c - c0), se, so, te, to);
-      hn::StoreU(se, d, s + c);
-      hn::StoreU(so, d, s + c + N);
-      hn::StoreU(te, d, t + c);
-      hn::StoreU(to, d, t + c + N);
-    }
-  }
+  for (; r < b1; ++r) rows_from(std::integral_constant<int, 1>(), r);
   for (int64_t c = c0; c < c1; c += 2 * N) {
     StoreInterleaved(d, hn::LoadU(d, s + c), hn::LoadU(d, s + c + N), s + c);
     StoreInterleaved(d, hn::LoadU(d, t + c), hn::LoadU(d, t + c + N), t + c);
