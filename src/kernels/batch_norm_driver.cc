@@ -669,7 +669,8 @@ bool SumsByImage(const Geometry& g, size_t es) {
   return plane <= (es < 4 ? kImageSumsPlaneBytes16 : kImageSumsPlaneBytes);
 }
 
-// The training gradient's sums, in image order as SumsByImage except for planes over 1 KB in
+// The training gradient's sums (BackwardTraining, and BackwardReduce in the same order), in image
+// order as SumsByImage for planes up to kFusedPlaneBytes, except for planes over 1 KB in
 // tensors of 64 MB and more: there each channel-major run is long enough to stream, and the fused
 // and split passes rewrite dx from cache where image order reads dy and x from memory twice. Full
 // benchmark runs, process level, image order / channel order, float 28x28: 12-25 MB 0.56-0.79x,
@@ -679,20 +680,31 @@ bool SumsByImage(const Geometry& g, size_t es) {
 constexpr int64_t kLongPlaneBytes = 1024;
 constexpr double kLongPlaneTensorBytes = 64.0 * 1024 * 1024;
 
+// The fused training passes read their inputs once where they come from DRAM (RewriteChunk
+// overlaps each chunk's rewrite with the read of the next), which beats image order for planes
+// over this size whatever the tensor's size. Calls alternating in one process, channel order
+// with the overlap / image order, warm and cold: float 28x28 planes 1.10-1.33x faster in the
+// training forward and 1.08-1.52x in the training gradient (12-49 MB tensors), 35x35 1.03-1.25x
+// forward and 0.84-1.27x gradient (geomean 1.10); 17x17 and shorter planes lost (float 14x14 and
+// 17x17 forwards 0.71-1.0x, bfloat16 17x17 gradients 0.63-0.83x), so they keep image order.
+constexpr int64_t kFusedPlaneBytes = 2048;
+
 bool TrainingSumsByImage(const Geometry& g, size_t es) {
   const double bytes = static_cast<double>(g.elements()) * static_cast<double>(es);
-  const bool long_planes = g.s * static_cast<int64_t>(es) > kLongPlaneBytes;
-  return SumsByImage(g, es) && !(long_planes && bytes >= kLongPlaneTensorBytes);
+  const int64_t plane = g.s * static_cast<int64_t>(es);
+  return SumsByImage(g, es) && plane <= kFusedPlaneBytes &&
+         !(plane > kLongPlaneBytes && bytes >= kLongPlaneTensorBytes);
 }
 
-// Statistics (training forward): float and double planes over kShortPlaneBytes and up to 8 KB, in
-// tensors of at least 13 MB. Per-plane blocks cost a lane reduction and divisions per plane, which
-// 7x7 and 8x8 float planes do not hide (1.1-2.1x the time), nor 16-bit planes, which widen (in
-// cache 1.04-1.48x); and smaller tensors the fused rewrite reads from L2 while the separate pass
-// reads them from L3 (9.6-12.8 MB: 0.74-0.86x flushed but 1.0-1.18x in cache). Training forward,
-// float, image order / channel order: 14 to 25 MB tensors of 14x14 and 17x17 planes 0.51-0.71x
-// flushed, 0.60-0.80x in cache; 51-135 MB tensors of 14x14 to 35x35 planes 0.66-0.93x; double 28-51
-// MB 0.63-0.82x.
+// Statistics (training forward, and ComputeStats in the same order): float and double planes over
+// kShortPlaneBytes and up to kFusedPlaneBytes, in tensors of at least 13 MB. Per-plane blocks cost
+// a lane reduction and divisions per plane, which 7x7 and 8x8 float planes do not hide (1.1-2.1x
+// the time), nor 16-bit planes, which widen (in cache 1.04-1.48x); and smaller tensors the fused
+// rewrite reads from L2 while the separate pass reads them from L3 (9.6-12.8 MB: 0.74-0.86x
+// flushed but 1.0-1.18x in cache). Training forward, float, image order / channel order (before
+// the fused passes overlapped): 14 to 25 MB tensors of 14x14 and 17x17 planes 0.51-0.71x flushed,
+// 0.60-0.80x in cache; 51-135 MB tensors of 14x14 to 35x35 planes 0.66-0.93x; double 28-51 MB
+// 0.63-0.82x.
 constexpr double kImageStatsBytes = 13.0 * 1024 * 1024;
 // Planes up to this size the kernels read four channels at a time (their kShortPlaneBytes).
 constexpr int64_t kFourPlaneBytes = 256;
@@ -701,7 +713,7 @@ bool StatsByImage(const Geometry& g, size_t es) {
   if (g.channels_last || g.n < 2 || es < 4) return false;
   const int64_t plane = g.s * static_cast<int64_t>(es);
   const double bytes = static_cast<double>(g.elements()) * static_cast<double>(es);
-  return plane > kFourPlaneBytes && plane <= kImageSumsPlaneBytes && bytes >= kImageStatsBytes;
+  return plane > kFourPlaneBytes && plane <= kFusedPlaneBytes && bytes >= kImageStatsBytes;
 }
 
 // Image-order tasks: image ranges, and where the images are too few for the tasks the size asks
@@ -894,6 +906,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
     MergeRowPartials(dtype, g, x, p, rows, C, partial, slot, 0, C, mean, variance);
     return;
   }
+  // In the order ForwardTraining takes: the same statistics whichever pass computes them.
   if (StatsByImage(g, es)) return ImageStats(dtype, g, x, threads, mean, variance);
   const int64_t M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, static_cast<double>(es));
@@ -1060,7 +1073,8 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
     return;
   }
   prepare(0, C);
-  if (SumsByImage(g, es)) {
+  // The training gradient's sums (no k1) in the order BackwardTraining takes.
+  if (k1 == nullptr ? TrainingSumsByImage(g, es) : SumsByImage(g, es)) {
     // Per image range, then the ranges added in order.
     const ImagePartition p = PartitionImages(g, 2.0 * static_cast<double>(es));
     const size_t slot = static_cast<size_t>(2 * C);  // Σdy, Σdy·(x - m)
@@ -1211,6 +1225,69 @@ void ForEachImageRange(const Geometry& g, int64_t c0, int64_t c1, F&& f) {
   for (int64_t n = 0; n < g.n; ++n) f((n * g.c + c0) * g.s, (n * g.c + c1) * g.s);
 }
 
+// The fused channels-first paths alternate, on each thread, a reduction of a chunk's channels
+// (reads) and their rewrite from cache (writes): with the inputs in DRAM a thread then uses the
+// memory bus one way at a time. Where the inputs come from DRAM the rewrite prefetches the next
+// chunk's inputs slice by slice (in each image, the planes right after the chunk's), so the
+// thread's reads and writes overlap and the next reduction reads from L2. Calls alternating in
+// one process, overlapped / not, the benchmark's fused channels-first training passes at batch
+// 32-128: tensors over half the L3 1.02-1.32x faster (32x256x56x56 float forward 1.29x,
+// 128x256x56x56 bfloat16 forward 1.22x and gradient 1.18x), operands flushed 1.05-1.39x; warm
+// tensors the L3 holds lost 0.89-0.96x, so only inputs from DRAM overlap (the probe still reads
+// some warm 11-14 MB bfloat16 inputs as uncached: 0.92-0.97x). Batch 1, flushed: float forwards
+// 1.21-1.24x, gradients 0.95-1.10x.
+constexpr double kOverlapSliceBytes = 4096;
+
+// Prefetches elements [p0, p1) of `base` into L2.
+void PrefetchToL2(const void* base, int64_t p0, int64_t p1, size_t es) {
+  const char* q = static_cast<const char*>(base);
+  const int64_t b1 = p1 * static_cast<int64_t>(es);
+  for (int64_t b = p0 * static_cast<int64_t>(es); b < b1; b += kCacheLineBytes) {
+    __builtin_prefetch(q + b, 0, 2);
+  }
+}
+
+// Whether a call reads its input from DRAM: a tensor too large for the last-level cache to keep
+// (RowReadOf), or one whose input was not in the calling core's cache at the call's start.
+bool ReadsFromDram(const Geometry& g, size_t es, double bytes_per_element, int threads,
+                   InputProbe& probe) {
+  const RowRead read = RowReadOf(g, es, 2, false, threads);
+  return read == RowRead::kDram || read == RowRead::kPrefetch ||
+         InputFromMemory(g, bytes_per_element, probe);
+}
+
+// Calls rewrite over flat elements [f0, f1) in slices whose boundaries are multiples of
+// kOverlapSliceBytes (whole cache lines, so no line has two writers), each slice preceded by the
+// prefetch of its share of elements [p0, p1) of in0 (and of in1 if not null).
+template <typename Rewrite>
+void RewritePrefetching(int64_t f0, int64_t f1, int64_t p0, int64_t p1, size_t es, const void* in0,
+                        const void* in1, Rewrite&& rewrite) {
+  const int64_t slice =
+      std::max<int64_t>(1, static_cast<int64_t>(kOverlapSliceBytes / static_cast<double>(es)));
+  const int64_t len = f1 - f0, ahead = p1 - p0;
+  for (int64_t a0 = f0; a0 < f1;) {
+    const int64_t a1 = std::min(f1, (a0 / slice + 1) * slice);
+    const int64_t q0 = p0 + (a0 - f0) * ahead / len, q1 = p0 + (a1 - f0) * ahead / len;
+    PrefetchToL2(in0, q0, q1, es);
+    if (in1 != nullptr) PrefetchToL2(in1, q0, q1, es);
+    rewrite(a0, a1);
+    a0 = a1;
+  }
+}
+
+// Calls rewrite(f0, f1) over the flat ranges of channels [c0, c1), as ForEachImageRange; with
+// `overlap`, prefetching the inputs of the next chunk [c1, c2) in the same image along the way
+// (its planes follow the chunk's).
+template <typename Rewrite>
+void RewriteChunk(const Geometry& g, int64_t c0, int64_t c1, int64_t c2, bool overlap, size_t es,
+                  const void* in0, const void* in1, Rewrite&& rewrite) {
+  if (!overlap || c2 <= c1) return ForEachImageRange(g, c0, c1, rewrite);
+  const int64_t next = (c2 - c1) * g.s;
+  ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
+    RewritePrefetching(f0, f1, f1, f1 + next, es, in0, in1, rewrite);
+  });
+}
+
 // The fused channels-first paths reduce a chunk of a task's channels, compute their coefficients
 // in one call, then rewrite them. With one image a channel is one contiguous plane, and chunks
 // whose inputs fit L1 let the rewrite read them from there: whole tasks (up to 256 KB, from L2)
@@ -1246,6 +1323,14 @@ bool FuseChannelGroups(const Geometry& g, double bytes_per_element) {
   return p.row_tasks == 1 && p.groups > 1;
 }
 
+// The split passes overlap each channel's rewrite with the read of the next (ForEachSplitChannel)
+// up to this much of the call's inputs per channel: the rewrite reads the threads' shares back
+// from the last-level cache, which must then hold two channels. Calls alternating in one process,
+// overlapped / not: training forwards of 1.9-8.5 MB channels 1.07-1.27x faster; training
+// gradients of 3.2-4 MB (dy and x) 1.11-1.20x, of 8.3-8.5 MB 0.96-1.03x, of 12.8-17 MB
+// 0.88-0.96x.
+constexpr double kOverlapSplitChannelBytes = 9.0 * 1024 * 1024;
+
 // Channels-first channels larger than one task (over 2 MB): one channel at a time, all threads
 // reduce its pieces, the calling thread merges them, and each thread rewrites the pieces it
 // reduced (the pool's static schedule gives a thread the same pieces in both regions) from its
@@ -1259,14 +1344,26 @@ bool FuseSplitChannels(const Geometry& g, double bytes_per_element) {
   return channel_bytes > kChannelTaskBytes && channel_bytes <= kSplitChannelBytes;
 }
 
+// Whether a split pass (`bytes_per_element` of input per element) overlaps its channels.
+bool OverlapSplit(const Geometry& g, size_t es, double bytes_per_element, int threads,
+                  InputProbe& probe) {
+  const double channel_bytes = static_cast<double>(g.per_channel()) * bytes_per_element;
+  return channel_bytes <= kOverlapSplitChannelBytes &&
+         ReadsFromDram(g, es, bytes_per_element, threads, probe);
+}
+
 // The FuseSplitChannels loop: per channel c, reduce(c, piece, v0, v1) for every piece in one
 // parallel region, finish(c) on the calling thread, then rewrite(f0, f1) over the flat ranges of
 // the channel. In the rewrite each thread takes the block of pieces the reduction region's static
 // schedule gave it, last piece first: the pieces it read last, the ones its cache still holds
 // when a thread's share exceeds it, are rewritten before the older ones are fetched again.
 
+// With `overlap` (inputs from DRAM), the rewrite of channel c prefetches the same pieces of
+// channel c + 1 from in0 (and in1 if not null), as RewriteChunk does for the next chunk: the thread
+// reduces those pieces next.
 template <typename Reduce, typename Finish, typename Rewrite>
-void ForEachSplitChannel(const Geometry& g, const RunPartition& p, int threads, Reduce&& reduce,
+void ForEachSplitChannel(const Geometry& g, const RunPartition& p, int threads, bool overlap,
+                         size_t es, const void* in0, const void* in1, Reduce&& reduce,
                          Finish&& finish, Rewrite&& rewrite) {
   const int64_t M = g.per_channel();
   const int64_t blocks = std::min<int64_t>(threads, p.pieces);
@@ -1275,10 +1372,15 @@ void ForEachSplitChannel(const Geometry& g, const RunPartition& p, int threads, 
       reduce(c, piece, p.begin(piece), p.end(piece, M));
     });
     finish(c);
+    const bool ahead = overlap && c + 1 < g.c;
+    const auto rewrite_range = [&](int64_t f0, int64_t f1) {
+      if (!ahead) return rewrite(f0, f1);
+      RewritePrefetching(f0, f1, f0 + g.s, f1 + g.s, es, in0, in1, rewrite);
+    };
     threading::ParallelFor(blocks, threads, [&](int64_t b) {
       const int64_t t0 = p.pieces * b / blocks, t1 = p.pieces * (b + 1) / blocks;
       for (int64_t piece = t1 - 1; piece >= t0; --piece) {
-        ForEachPieceRange(g, c, p.begin(piece), p.end(piece, M), rewrite);
+        ForEachPieceRange(g, c, p.begin(piece), p.end(piece, M), rewrite_range);
       }
     });
   }
@@ -1286,7 +1388,8 @@ void ForEachSplitChannel(const Geometry& g, const RunPartition& p, int threads, 
 
 void ForwardTrainingSplit(DataType dtype, const Geometry& g, const void* x, const void* scale,
                           const void* offset, double eps, double* mean, double* variance,
-                          void* k_mean, void* k_a, void* k_b, void* y, int threads, bool stream) {
+                          void* k_mean, void* k_a, void* k_b, void* y, int threads, bool stream,
+                          bool overlap) {
   const KernelEntry& e = Entry(dtype);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
@@ -1295,7 +1398,7 @@ void ForwardTrainingSplit(DataType dtype, const Geometry& g, const void* x, cons
   double* partial = Scratch(2 * static_cast<size_t>(p.pieces));
   const double* w = PieceWeights(p, M);
   ForEachSplitChannel(
-      g, p, threads,
+      g, p, threads, overlap, es, x, nullptr,
       [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
         e.stats_run(Offset(x, c * g.s, es), C * g.s, g.s, v0, v1, &partial[2 * piece],
                     &partial[2 * piece + 1]);
@@ -1313,7 +1416,7 @@ void ForwardTrainingSplit(DataType dtype, const Geometry& g, const void* x, cons
 void BackwardTrainingSplit(DataType dtype, const Geometry& g, const void* dy, const void* x,
                            const void* k_mean, const double* inv, const void* k1, void* k2,
                            void* k0, double* sum_dy, double* sum_dy_xc, void* dx, int threads,
-                           bool stream) {
+                           bool stream, bool overlap) {
   const KernelEntry& e = Entry(dtype);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
@@ -1321,7 +1424,7 @@ void BackwardTrainingSplit(DataType dtype, const Geometry& g, const void* dy, co
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   double* partial = Scratch(2 * static_cast<size_t>(p.pieces));
   ForEachSplitChannel(
-      g, p, threads,
+      g, p, threads, overlap, es, dy, x,
       [&](int64_t c, int64_t piece, int64_t v0, int64_t v1) {
         e.reduce_run(dy, x, c * g.s, C * g.s, g.s, v0, v1, k_mean, c, &partial[2 * piece],
                      &partial[2 * piece + 1], nullptr, nullptr, false);
@@ -1391,7 +1494,8 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
       StreamStores(g, es, 2, threads, kProbeBytes, probe, (fused || by_image) && StreamLines(e));
   if (!fused && !by_image && FuseSplitChannels(g, static_cast<double>(es))) {
     ForwardTrainingSplit(dtype, g, x, scale, offset, eps, mean, variance, k_mean, k_a, k_b, y,
-                         threads, stream);
+                         threads, stream,
+                         OverlapSplit(g, es, static_cast<double>(es), threads, probe));
     finish(0, g.c);
     return;
   }
@@ -1409,6 +1513,7 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
   // chunk's channels, their coefficients in one vector call, then the rewrite while the chunk's
   // data is still in cache.
   const int64_t chunk = FusedChunk(g, p.group, static_cast<double>(es), probe);
+  const bool overlap = ReadsFromDram(g, es, static_cast<double>(es), threads, probe);
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
@@ -1419,9 +1524,10 @@ void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const voi
         FixNonFiniteMean(dtype, g, x, c, &mean[c]);
       }
       ForwardCoefficients(wide, c0, c1, mean, variance, scale, offset, eps, k_mean, k_a, k_b);
-      ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
-        e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
-      });
+      RewriteChunk(g, c0, c1, std::min(C, c1 + chunk), overlap, es, x, nullptr,
+                   [&](int64_t f0, int64_t f1) {
+                     e.apply_flat(x, C, g.s, f0, f1, k_mean, k_a, k_b, y, stream);
+                   });
     }
     finish(t0, t1);  // per task: chunks can be single channels
   });
@@ -1473,7 +1579,8 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   if (!fused) prepare(0, g.c);
   if (!fused && !by_image && FuseSplitChannels(g, 2.0 * static_cast<double>(es))) {
     BackwardTrainingSplit(dtype, g, dy, x, k_mean, inv, k1, k2, k0, sum_dy, sum_dy_xc, dx, threads,
-                          stream);
+                          stream,
+                          OverlapSplit(g, es, 2.0 * static_cast<double>(es), threads, probe));
     finish(0, g.c);
     return;
   }
@@ -1489,6 +1596,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const int64_t C = g.c, M = g.per_channel();
   const RunPartition p = PartitionRuns(C, M, 2.0 * static_cast<double>(es));
   const int64_t chunk = FusedChunk(g, p.group, 2.0 * static_cast<double>(es), probe);
+  const bool overlap = ReadsFromDram(g, es, 2.0 * static_cast<double>(es), threads, probe);
   threading::ParallelFor(p.tasks, threads, [&](int64_t t) {
     const int64_t t0 = t * p.group, t1 = std::min(C, t0 + p.group);
     prepare(t0, t1);  // per task: chunks can be single channels
@@ -1496,9 +1604,10 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
       const int64_t c1 = std::min(t1, c0 + chunk);
       e.reduce_runs(dy, x, C, g.s, g.n, c0, c1, k_mean, sum_dy, sum_dy_xc, nullptr, nullptr, false);
       BackwardCoefficients(wide, c0, c1, n, sum_dy, sum_dy_xc, inv, k1, k2, k0);
-      ForEachImageRange(g, c0, c1, [&](int64_t f0, int64_t f1) {
-        e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
-      });
+      RewriteChunk(g, c0, c1, std::min(C, c1 + chunk), overlap, es, dy, x,
+                   [&](int64_t f0, int64_t f1) {
+                     e.backward_apply_flat(dy, x, C, g.s, f0, f1, k_mean, k1, k2, k0, dx, stream);
+                   });
     }
     finish(t0, t1);
   });

@@ -65,10 +65,10 @@ struct PathCase {
 // Channels-first channels of 1.08M elements: over one task (2 MB) for every dtype, so forward
 // (x) and backward (x and dy) take the channel-at-a-time path; small channels the per-task fused
 // path; channels-last short rows the channel-group path; long rows the separate passes.
-// Channels-first gradients of several images with planes up to 8 KB (2 KB for 16-bit types) sum
-// in image order, as do float and double statistics of such tensors from 13 MB (14 MB here:
-// image ranges and channel groups, a group ending in a tail); the fused tasks keep one image,
-// longer planes and the smaller tensors' statistics.
+// Channels-first training gradients of several images with planes up to 2 KB sum in image order,
+// as do float and double statistics of such tensors from 13 MB (14 MB here: image ranges and
+// channel groups, a group ending in a tail; its 3.2 KB double planes take the fused tasks); the
+// fused tasks keep one image, longer planes and the smaller tensors' statistics.
 const PathCase kCases[] = {
     {"nchw_split_channels", {false, 2, 3, 540000}},
     {"nchw_fused_tasks", {false, 16, 37, 49}},

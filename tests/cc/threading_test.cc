@@ -244,6 +244,10 @@ TEST(CacheResidency, SameOutputsWithInputsEvicted) {
       // Planes shorter than 512 bytes: the fused training paths stream their whole lines.
       {"nchw_short_planes", TensorFormat::kNCHW, {16, 64, 8, 8}},
       {"nchw_7x7_planes", TensorFormat::kNCHW, {16, 64, 7, 7}},
+      // Evicted fused paths rewrite in slices while prefetching the next chunk: odd planes that
+      // put slice and plane ends anywhere in a line, and a last chunk narrower than the others.
+      {"nchw_overlap_slices", TensorFormat::kNCHW, {4, 27, 27, 29}},
+      {"nchw_overlap_long_planes", TensorFormat::kNCHW, {3, 13, 61, 67}},
   };
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
     for (const Workload& w : workloads) {
