@@ -1357,7 +1357,6 @@ bool OverlapSplit(const Geometry& g, size_t es, double bytes_per_element, int th
 // the channel. In the rewrite each thread takes the block of pieces the reduction region's static
 // schedule gave it, last piece first: the pieces it read last, the ones its cache still holds
 // when a thread's share exceeds it, are rewritten before the older ones are fetched again.
-
 // With `overlap` (inputs from DRAM), the rewrite of channel c prefetches the same pieces of
 // channel c + 1 from in0 (and in1 if not null), as RewriteChunk does for the next chunk: the thread
 // reduces those pieces next.
