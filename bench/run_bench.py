@@ -648,6 +648,66 @@ def merge_rounds(recs):
     return out
 
 
+def median_of(results, lib, c):
+    r = results.get(bc.bench_name(lib, c))
+    return r["median_s"] if r and r.get("status") == "ok" and r.get("median_s") else None
+
+
+def close_call_libs(c, results, libs, band):
+    """For a case whose fbn median and best anchor median are within `band` of each other (either
+    way), the libraries to re-time: fbn and every anchor within `band` of fbn. None otherwise."""
+    f = median_of(results, "fbn", c)
+    anchors = {lib: median_of(results, lib, c) for lib in libs if lib != "fbn"}
+    anchors = {lib: t for lib, t in anchors.items() if t}
+    if not f or not anchors:
+        return None
+    best = min(anchors.values())
+    if not (1.0 / band <= best / f <= band):
+        return None
+    return ["fbn"] + [lib for lib in libs if lib in anchors and anchors[lib] <= band * f]
+
+
+def recheck_close_calls(args, runner, libs, chunks, results, round_recs):
+    """The close calls: cases where fbn and its best anchor ended the main rounds within
+    --recheck-band of each other, on either side. On this shared host a library's median moves by
+    10-30% from minute to minute, which decides such cases more than the code does. Each gets
+    --recheck-rounds more rounds of fbn and of the anchors within the band of it, alternating as
+    in the main rounds (shape by shape, the starting library rotating), and every library's result
+    becomes the median over all its rounds, main and extra. Cases on both sides of parity are
+    re-timed alike, so the extra rounds sharpen the estimate without choosing a side. Returns
+    {bench name: speedup after the main rounds} for the re-timed cases."""
+    before = {}
+    t0 = time.time()
+    for i, chunk in enumerate(chunks):
+        todo = {}
+        for c in chunk:
+            who = close_call_libs(c, results, libs, args.recheck_band)
+            if not who:
+                continue
+            f = median_of(results, "fbn", c)
+            best = min(median_of(results, lib, c) for lib in who[1:])
+            before[bc.bench_name("fbn", c)] = best / f
+            for lib in who:
+                todo.setdefault(lib, []).append(dict(c, reps=round_reps(c["reps"], args.rounds)))
+        if not todo:
+            continue
+        timed = [lib for lib in libs if lib in todo]
+        touched = set()
+        for r in range(args.recheck_rounds):
+            k = (i + r) % len(timed)
+            tag = "%s_recheck_r%d" % (chunk[0]["id"], r)
+            for lib in timed[k:] + timed[:k]:
+                res, _, _ = runner.run(lib, todo[lib], tag)
+                for key, rec in res.items():
+                    round_recs.setdefault(key, []).append(rec)
+                    touched.add(key)
+        results.update({key: merge_rounds(round_recs[key]) for key in touched})
+        log("  recheck [%d/%d] %-26s %d close calls (%s)  (%.0f s so far)" % (
+            i + 1, len(chunks), chunk[0]["id"], len(todo["fbn"]), ",".join(timed),
+            time.time() - t0))
+    return before
+
+
 def rep_policy(args, f32_bytes):
     """(repetitions, min seconds per repetition) by tensor size: big shapes need few reps."""
     if args.reps:
@@ -731,6 +791,13 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
     p("threads: %d everywhere; epsilon %g everywhere; %d round(s): each library's repetitions of a"
       " shape split into rounds that alternate with the other libraries'" % (
           args.threads, bc.EPSILON, args.rounds))
+    recheck = meta.get("recheck")
+    if recheck:
+        p("close calls: the %d cases whose fbn and best-anchor medians were within %.2fx of each"
+          " other (either way) after those rounds got %d more rounds of fbn and of the anchors"
+          " within %.2fx of it, alternating alike; their medians are over all rounds" % (
+              len(recheck["speedup_before"]), recheck["band"], recheck["rounds"],
+              recheck["band"]))
     p("versions: " + ", ".join("%s=%s" % kv for kv in sorted(versions.items())))
     if copy:
         p("")
@@ -843,10 +910,21 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
     p("")
     p("Cases where fbn is not ahead of the best anchor: %d of %d" % (
         len(behind), len([r for r in rows if r["speedup"] is not None])))
+    before = (recheck or {}).get("speedup_before", {})
+    if before:
+        now = {bc.bench_name("fbn", r): r["speedup"] for r in rows if r["speedup"] is not None}
+        main_behind = sum(1 for r in rows if r["speedup"] is not None and before.get(
+            bc.bench_name("fbn", r), r["speedup"]) < 1.0)
+        flips = [(b < 1.0, now[k] < 1.0) for k, b in before.items() if k in now]
+        p("  after the main rounds alone: %d; of the %d close calls re-timed, %d went from behind"
+          " to ahead and %d from ahead to behind (marked +r below: re-timed)" % (
+              main_behind, len(flips), sum(1 for b, a in flips if b and not a),
+              sum(1 for b, a in flips if a and not b)))
     for r in sorted(behind, key=lambda r: r["speedup"]):
-        p("  %-26s %-10s %-4s %-4s %-4s fbn %9s us  %-9s %9s us  %.2fx" % (
+        p("  %-26s %-10s %-4s %-4s %-4s fbn %9s us  %-9s %9s us  %.2fx%s" % (
             r["id"][-26:], r["pass"], r["dtype"], r["layout"], r["cache"], fmt_t(r["fbn"]),
-            r["best_anchor"], fmt_t(r[r["best_anchor"]]), r["speedup"]))
+            r["best_anchor"], fmt_t(r[r["best_anchor"]]), r["speedup"],
+            " +r" if bc.bench_name("fbn", r) in before else ""))
     missing = [r for r in rows if r["fbn_s"] is None]
     if missing:
         p("  fbn has no result for %d cases (errors: %s)" % (
@@ -1024,8 +1102,10 @@ def write_csv(rows, libs, out_dir, meta, versions, copy, parity):
         w.writerow(["set", "case_id", "weight", "pass", "dtype", "layout", "cache",
                     "tensor_bytes"] + ["%s_us" % lib for lib in libs] +
                    ["best_anchor", "speedup", "fbn_gbps", "fbn_share_of_copy_bw", "copy_us",
-                    "fbn_share_of_paired_copy"])
+                    "fbn_share_of_paired_copy", "speedup_main_rounds"])
+        before = (meta.get("recheck") or {}).get("speedup_before", {})
         for r in rows:
+            main = before.get(bc.bench_name("fbn", r))
             w.writerow([r["set"], r["id"], r["weight"], r["pass"], r["dtype"], r["layout"],
                         r["cache"], r["tensor_bytes"]] +
                        ["%.3f" % (r[lib]["median_s"] * 1e6) if r.get(lib) and
@@ -1034,7 +1114,8 @@ def write_csv(rows, libs, out_dir, meta, versions, copy, parity):
                         "%.2f" % r["fbn_gbps"] if r["fbn_gbps"] else "",
                         "%.3f" % r["fbn_share"] if r["fbn_share"] else "",
                         "%.3f" % (r["copy_s"] * 1e6) if r.get("copy_s") else "",
-                        "%.3f" % r["fbn_share_paired"] if r.get("fbn_share_paired") else ""])
+                        "%.3f" % r["fbn_share_paired"] if r.get("fbn_share_paired") else "",
+                        "%.3f" % main if main else ""])
     return path, path2
 
 
@@ -1150,6 +1231,12 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=0,
                     help="rounds each library's repetitions are split into, alternating with the"
                          " other libraries' (default: 1 with --quick, else 3)")
+    ap.add_argument("--recheck-rounds", type=int, default=-1,
+                    help="extra alternating rounds for the close calls (see recheck_close_calls;"
+                         " default: 0 with --quick, else 4)")
+    ap.add_argument("--recheck-band", type=float, default=1.15,
+                    help="a case is a close call when fbn and its best anchor are within this"
+                         " factor of each other after the main rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
     ap.add_argument("--out", default="", help="output dir (default bench/results/<stamp>-<mode>)")
@@ -1173,6 +1260,10 @@ def parse_args(argv):
         args.timeout = 600 if args.quick else 3600
     if args.rounds <= 0:
         args.rounds = 1 if args.quick else 3
+    if args.recheck_rounds < 0:
+        args.recheck_rounds = 0 if args.quick else 4
+    if args.recheck_band < 1.0:
+        ap.error("--recheck-band: a factor of at least 1 (got %g)" % args.recheck_band)
     return args
 
 
@@ -1257,6 +1348,7 @@ def main(argv=None):
             by_id.setdefault(c["id"], []).append(c)
         chunks.extend(by_id.values())
     t_start = time.time()
+    round_recs = {}  # every round's record per bench name, for the close calls' re-check
     for i, chunk in enumerate(chunks):
         load1 = read_first("/proc/loadavg").split()[0]
         for c in chunk:
@@ -1282,6 +1374,8 @@ def main(argv=None):
                 prev = secs_of.get(lib, (0.0, 0))
                 secs_of[lib] = (prev[0] + secs, prev[1] if rc == 0 else rc)
         results.update({key: merge_rounds(recs) for key, recs in rounds.items()})
+        for key, recs in rounds.items():
+            round_recs.setdefault(key, []).extend(recs)
         took = ["%s %.1fs%s" % (lib, t, "" if rc == 0 else "(rc=%s)" % rc)
                 for lib, (t, rc) in secs_of.items()]
         log("  [%d/%d] %-26s load %s: %s  (%.0f s so far)" % (
@@ -1290,6 +1384,12 @@ def main(argv=None):
             done = [c for ch in chunks[:i + 1] for c in ch]
             finish(args, meta, runner, libs, done, results, copy, parity_cfg, refs, unavailable,
                    out_dir, final=False)
+    if args.recheck_rounds > 0 and "fbn" in libs:
+        log("[3/4] close calls: %d more rounds where fbn and its best anchor are within %.2fx" % (
+            args.recheck_rounds, args.recheck_band))
+        meta["recheck"] = {"rounds": args.recheck_rounds, "band": args.recheck_band,
+                           "speedup_before": recheck_close_calls(args, runner, libs, chunks,
+                                                                 results, round_recs)}
     runner.close()
 
     finish(args, meta, runner, libs, all_cases, results, copy, parity_cfg, refs, unavailable,
