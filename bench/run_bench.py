@@ -648,6 +648,26 @@ def merge_rounds(recs):
     return out
 
 
+def alternate_rounds(runner, timed, cases_of, first, rounds, tag_of, round_recs, results):
+    """Runs `rounds` rounds of every library in `timed` over cases_of(lib), in each round the
+    libraries one after another, the starting one rotating from index `first`. Every round's
+    records are appended to round_recs, and each key they touch gets in `results` the median over
+    all its rounds (merge_rounds). Returns {lib: (seconds, last failing rc or 0)}."""
+    secs_of = {}
+    touched = set()
+    for r in range(rounds):
+        k = (first + r) % len(timed)
+        for lib in timed[k:] + timed[:k]:
+            res, rc, secs = runner.run(lib, cases_of(lib), tag_of(r))
+            for key, rec in res.items():
+                round_recs.setdefault(key, []).append(rec)
+                touched.add(key)
+            prev = secs_of.get(lib, (0.0, 0))
+            secs_of[lib] = (prev[0] + secs, prev[1] if rc == 0 else rc)
+    results.update({key: merge_rounds(round_recs[key]) for key in touched})
+    return secs_of
+
+
 def median_of(results, lib, c):
     r = results.get(bc.bench_name(lib, c))
     return r["median_s"] if r and r.get("status") == "ok" and r.get("median_s") else None
@@ -655,16 +675,17 @@ def median_of(results, lib, c):
 
 def close_call_libs(c, results, libs, band):
     """For a case whose fbn median and best anchor median are within `band` of each other (either
-    way), the libraries to re-time: fbn and every anchor within `band` of fbn. None otherwise."""
+    way): the libraries to re-time (fbn and every anchor within `band` of fbn) and fbn's speedup.
+    (None, None) otherwise."""
     f = median_of(results, "fbn", c)
     anchors = {lib: median_of(results, lib, c) for lib in libs if lib != "fbn"}
     anchors = {lib: t for lib, t in anchors.items() if t}
     if not f or not anchors:
-        return None
-    best = min(anchors.values())
-    if not (1.0 / band <= best / f <= band):
-        return None
-    return ["fbn"] + [lib for lib in libs if lib in anchors and anchors[lib] <= band * f]
+        return None, None
+    speedup = min(anchors.values()) / f
+    if not (1.0 / band <= speedup <= band):
+        return None, None
+    return ["fbn"] + [lib for lib in libs if lib in anchors and anchors[lib] <= band * f], speedup
 
 
 def recheck_close_calls(args, runner, libs, chunks, results, round_recs):
@@ -681,27 +702,17 @@ def recheck_close_calls(args, runner, libs, chunks, results, round_recs):
     for i, chunk in enumerate(chunks):
         todo = {}
         for c in chunk:
-            who = close_call_libs(c, results, libs, args.recheck_band)
+            who, speedup = close_call_libs(c, results, libs, args.recheck_band)
             if not who:
                 continue
-            f = median_of(results, "fbn", c)
-            best = min(median_of(results, lib, c) for lib in who[1:])
-            before[bc.bench_name("fbn", c)] = best / f
+            before[bc.bench_name("fbn", c)] = speedup
             for lib in who:
                 todo.setdefault(lib, []).append(dict(c, reps=round_reps(c["reps"], args.rounds)))
         if not todo:
             continue
         timed = [lib for lib in libs if lib in todo]
-        touched = set()
-        for r in range(args.recheck_rounds):
-            k = (i + r) % len(timed)
-            tag = "%s_recheck_r%d" % (chunk[0]["id"], r)
-            for lib in timed[k:] + timed[:k]:
-                res, _, _ = runner.run(lib, todo[lib], tag)
-                for key, rec in res.items():
-                    round_recs.setdefault(key, []).append(rec)
-                    touched.add(key)
-        results.update({key: merge_rounds(round_recs[key]) for key in touched})
+        alternate_rounds(runner, timed, todo.get, i, args.recheck_rounds,
+                         lambda r: "%s_recheck_r%d" % (chunk[0]["id"], r), round_recs, results)
         log("  recheck [%d/%d] %-26s %d close calls (%s)  (%.0f s so far)" % (
             i + 1, len(chunks), chunk[0]["id"], len(todo["fbn"]), ",".join(timed),
             time.time() - t0))
@@ -1348,7 +1359,7 @@ def main(argv=None):
             by_id.setdefault(c["id"], []).append(c)
         chunks.extend(by_id.values())
     t_start = time.time()
-    round_recs = {}  # every round's record per bench name, for the close calls' re-check
+    round_recs = {}  # every round's record per bench name (alternate_rounds)
     for i, chunk in enumerate(chunks):
         load1 = read_first("/proc/loadavg").split()[0]
         for c in chunk:
@@ -1362,20 +1373,10 @@ def main(argv=None):
         # timed in the same rounds (copy_bench --cases): a pseudo-library in the rotation.
         copy_cases = [c for c in per_round if paired_copy_case(c, args)]
         timed = libs + (["copy"] if copy_cases else [])
-        rounds = {}
-        secs_of = {}
-        for r in range(args.rounds):
-            k = (i + r) % len(timed)
-            tag = chunk[0]["id"] + ("_r%d" % r if args.rounds > 1 else "")
-            for lib in timed[k:] + timed[:k]:
-                res, rc, secs = runner.run(lib, copy_cases if lib == "copy" else per_round, tag)
-                for key, rec in res.items():
-                    rounds.setdefault(key, []).append(rec)
-                prev = secs_of.get(lib, (0.0, 0))
-                secs_of[lib] = (prev[0] + secs, prev[1] if rc == 0 else rc)
-        results.update({key: merge_rounds(recs) for key, recs in rounds.items()})
-        for key, recs in rounds.items():
-            round_recs.setdefault(key, []).extend(recs)
+        secs_of = alternate_rounds(
+            runner, timed, lambda lib: copy_cases if lib == "copy" else per_round, i, args.rounds,
+            lambda r: chunk[0]["id"] + ("_r%d" % r if args.rounds > 1 else ""), round_recs,
+            results)
         took = ["%s %.1fs%s" % (lib, t, "" if rc == 0 else "(rc=%s)" % rc)
                 for lib, (t, rc) in secs_of.items()]
         log("  [%d/%d] %-26s load %s: %s  (%.0f s so far)" % (
