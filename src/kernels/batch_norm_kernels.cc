@@ -389,6 +389,9 @@ HWY_INLINE MergeWeights WeightsFor(double count, double nb) {
 // sums gained nothing (0.98-1.02x).
 // Rows a whole number of pages apart map a strip's lines to the same few L1 sets.
 constexpr int64_t kPageBytes = 4096;
+// Rows of whole multiples of this many bytes put a strip's lines in the same few L1 sets too
+// (ApplyRows, BackwardApplyRows).
+constexpr int64_t kTileRowBytes = 2048;
 HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes, int tensors, RowRead read) {
   constexpr int64_t kBlockBytes = 48 * 1024;
   constexpr int64_t kDramPageRowsBlock = 16;
@@ -1162,13 +1165,21 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // 96x17x17x160 0.97x; training forward 0.68x, 0.99x, 0.90x; the rest unchanged.
   const bool l3_strips = std::is_same_v<T, BFloat16> && nt && read == RowRead::kL3;
   if (l3_strips) nt = PairsStream(d, C, c0, y + r0 * C);
-  // Float rows of exactly 4 KB stored regularly go in row order: strip by strip, a strip's loads
-  // and stores down the rows all fall in the same few L1 sets. Warm, alternating calls, row order /
-  // strips: inference 1x7x7x1024 0.47-0.49x the time, 1x14x14x1024 0.52-0.53x, 8x14x14x1024
-  // 0.63x, 32x14x14x1024 1.0-1.04x. Rows of 8 KB lost in training forwards (32x7x7x2048
-  // 1.12-1.16x): the three coefficient arrays then overflow L1 with the rows.
-  const bool page_rows = sizeof(T) >= 4 && !nt && C * static_cast<int64_t>(sizeof(T)) == kPageBytes;
-  if (!page_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
+  // Float rows of whole 2 KB multiples stored regularly go in row order, in tiles of at most a
+  // page of channels: strip by strip, a strip's loads and stores down the rows all fall in the same
+  // few L1 sets. Whole rows of 8 KB lost (32x7x7x2048 training forward 1.12-1.16x): the three
+  // coefficient arrays then overflow L1 with the rows, hence the tiles. Zen 4, calls alternating
+  // in one process, medians over 5-9 processes, tiles / strips: 4 KB rows, inference 1x14x14x1024
+  // 0.74x the time (earlier: 1x7x7x1024 0.47-0.49x, 8x14x14x1024 0.63x, 32x14x14x1024 1.0-1.04x);
+  // 2 KB rows, inference 128x7x7x512 0.78x and 32x14x14x512 0.97x (0.82x and 0.73x with the
+  // buffers 16 bytes past a line, as NumPy allocates them); 8 KB rows, 1x7x7x2048 inference 0.86x
+  // and training forward 0.90x, 32x7x7x2048 0.98x and 1.0x (0.8-1.4x from process to process).
+  // Narrower rows lost (96x8x8x448 inference 1.17x, 96x35x35x48 1.27x), as did bfloat16, whose
+  // rows here widen value by value (1x7x7x2048 training forward 1.38x, 32x14x14x512 inference
+  // 1.38x).
+  const int64_t row_bytes = C * static_cast<int64_t>(sizeof(T));
+  const bool tiled_rows = sizeof(T) >= 4 && !nt && row_bytes % kTileRowBytes == 0;
+  if (!tiled_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
     // in row order measured 1.35x slower (Xeon, 32x56x56x256, two threads) than strip by strip.
@@ -1225,15 +1236,19 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     }
   }
 #endif
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    int64_t c = c0;
-    for (; c + N <= c1; c += N) {
-      const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
-      StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
+  const int64_t tile = tiled_rows ? kPageBytes / static_cast<int64_t>(sizeof(T)) : c1 - c0;
+  for (int64_t t0 = c0; t0 < c1; t0 += tile) {
+    const int64_t t1 = t0 + tile < c1 ? t0 + tile : c1;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      int64_t c = t0;
+      for (; c + N <= t1; c += N) {
+        const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
+        StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
+      }
+      for (; c < t1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
     }
-    for (; c < c1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
   }
 }
 
@@ -2007,7 +2022,14 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
-  if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
+  // Float rows of whole 2 KB multiples stored regularly go in row order, in tiles, as in
+  // ApplyRows. Training gradients, medians over 5 processes, tiles / strips: 32x7x7x512 0.83x the
+  // time, 1x28x28x512 0.95x, 1x7x7x2048 0.96x, 1x14x14x1024 0.90x; with dx 16 bytes past a line
+  // (never streamed) 128x7x7x512 0.85x, 32x7x7x2048 0.98x. Streamed rows were no faster tiled
+  // (0.87-1.07x), so they keep the strips or, up to 512 channels, rows in order (below).
+  const bool tiled_rows =
+      sizeof(T) >= 4 && !nt && (C * static_cast<int64_t>(sizeof(T))) % kTileRowBytes == 0;
+  if (!tiled_rows && (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers, as in ApplyRows.
     const auto strip = [&](auto k, int64_t c) {
       StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
@@ -2064,17 +2086,22 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     }
   }
 #endif
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t o = r * C;
-    int64_t c = c0;
-    for (; c + N <= c1; c += N) {
-      const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
-      const auto t = hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
-      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
-    }
-    for (; c < c1; ++c) {
-      const A xc = ToAcc(x[o + c]) - mean[c];
-      dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+  const int64_t tile = tiled_rows ? kPageBytes / static_cast<int64_t>(sizeof(T)) : c1 - c0;
+  for (int64_t t0 = c0; t0 < c1; t0 += tile) {
+    const int64_t t1 = t0 + tile < c1 ? t0 + tile : c1;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r * C;
+      int64_t c = t0;
+      for (; c + N <= t1; c += N) {
+        const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
+        const auto t =
+            hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
+        StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
+      }
+      for (; c < t1; ++c) {
+        const A xc = ToAcc(x[o + c]) - mean[c];
+        dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+      }
     }
   }
 }
