@@ -39,21 +39,24 @@ constexpr std::pair<fbn::kernels::RowRead, bool> kStoreRuns[] = {
     {fbn::kernels::RowRead::kDram, true},
     {fbn::kernels::RowRead::kFlushed, true}};
 
-// An output buffer aligned to 64 bytes, so that streaming stores do run, filled with 0x7f.
+// An output buffer `offset` bytes past a 64-byte boundary (0: aligned, so that streaming stores
+// do run), filled with 0x7f.
 class AlignedOutput {
  public:
-  explicit AlignedOutput(size_t bytes)
-      : bytes_(bytes), p_(std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free) {
-    std::memset(p_.get(), 0x7f, bytes_);
+  explicit AlignedOutput(size_t bytes, size_t offset = 0)
+      : bytes_(bytes),
+        offset_(offset),
+        p_(std::aligned_alloc(64, (bytes + offset + 63) / 64 * 64), &std::free) {
+    std::memset(data(), 0x7f, bytes_);
   }
-  void* data() { return p_.get(); }
+  void* data() { return static_cast<unsigned char*>(p_.get()) + offset_; }
   std::vector<unsigned char> Bytes() const {
-    const auto* p = static_cast<const unsigned char*>(p_.get());
+    const auto* p = static_cast<const unsigned char*>(p_.get()) + offset_;
     return std::vector<unsigned char>(p, p + bytes_);
   }
 
  private:
-  size_t bytes_;
+  size_t bytes_, offset_;
   std::unique_ptr<void, decltype(&std::free)> p_;
 };
 
@@ -419,6 +422,60 @@ TEST(RowStatsTest, ApplyStreamedSameAsStored) {
           continue;
         }
         EXPECT_TRUE(y.Bytes() == want) << "y";
+      }
+    }
+  }
+}
+
+// Outputs that start past a cache line (std::vector and NumPy place large buffers 16 bytes past
+// one) stream from their first aligned element with the rows' channel phase shifted
+// (StreamShiftedRows): the apply, the backward apply and the frozen gradient's dx give the bits of
+// the aligned regular-store strips, for rows of one vector (48), of several (256, 512) and wider
+// than a page (2048, tiled), a row range that starts and ends inside the buffer (its first and
+// last elements written one by one), and elements outside the range left untouched.
+TEST(RowStatsTest, MisalignedOutputsStreamedSameAsAligned) {
+  for (DataType t : {DataType::kFloat32, DataType::kFloat64}) {
+    const size_t es = fbn::DataTypeSize(t);
+    for (int64_t C : {48, 256, 512, 2048}) {
+      const int64_t rows = 37, r0 = 3, r1 = 35;
+      std::mt19937 rng(23);
+      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
+      const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
+      HostTensor k[4];
+      for (HostTensor& v : k) v = RandomTensor(t, Shape{C}, -0.5, 1.5, &rng);
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      const size_t bytes = static_cast<size_t>(rows * C) * es;
+      // kind 0: apply, 1: backward apply, 2: frozen gradient (sums and dx).
+      for (int kind = 0; kind < 3; ++kind) {
+        std::vector<unsigned char> want;
+        std::vector<double> want_sums;
+        for (size_t offset : {size_t{0}, es, 2 * es, size_t{16}, 64 - es}) {
+          for (bool stream : {false, true}) {
+            SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C) + " kind " + std::to_string(kind) +
+                         " offset " + std::to_string(offset) + (stream ? " streamed" : " stored"));
+            AlignedOutput out(bytes, offset);
+            std::vector<double> sums(2 * C), tmp(2 * C);
+            const auto read = fbn::kernels::RowRead::kDram;
+            if (kind == 0) {
+              entry.apply_rows(x.data(), C, 0, C, r0, r1, k[0].data(), k[1].data(), k[2].data(),
+                               out.data(), stream, read);
+            } else if (kind == 1) {
+              entry.backward_apply_rows(dy.data(), x.data(), C, 0, C, r0, r1, k[0].data(),
+                                        k[1].data(), k[2].data(), k[3].data(), out.data(), stream);
+            } else {
+              entry.reduce_rows(dy.data(), x.data(), C, 0, C, r0, r1, rows, k[0].data(),
+                                sums.data(), sums.data() + C, k[1].data(), out.data(), tmp.data(),
+                                stream, read);
+            }
+            if (want.empty()) {
+              want = out.Bytes();
+              want_sums = sums;
+              continue;
+            }
+            EXPECT_TRUE(out.Bytes() == want);
+            EXPECT_TRUE(SameDoubles(sums, want_sums));
+          }
+        }
       }
     }
   }
