@@ -432,9 +432,10 @@ TEST(RowStatsTest, ApplyStreamedSameAsStored) {
 // (StreamShiftedRows): the apply, the backward apply and the frozen gradient's dx give the bits of
 // the aligned regular-store strips, for rows of one vector (48), of several (256, 512) and wider
 // than a page (2048, tiled), a row range that starts and ends inside the buffer (its first and
-// last elements written one by one), and elements outside the range left untouched.
+// last elements written one by one), and elements outside the range left untouched. bfloat16
+// streams whole pairs shifted (StreamShiftedPairs), odd element offsets included.
 TEST(RowStatsTest, MisalignedOutputsStreamedSameAsAligned) {
-  for (DataType t : {DataType::kFloat32, DataType::kFloat64}) {
+  for (DataType t : {DataType::kFloat32, DataType::kFloat64, DataType::kBFloat16}) {
     const size_t es = fbn::DataTypeSize(t);
     for (int64_t C : {48, 256, 512, 2048}) {
       const int64_t rows = 37, r0 = 3, r1 = 35;
@@ -442,7 +443,7 @@ TEST(RowStatsTest, MisalignedOutputsStreamedSameAsAligned) {
       const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
       const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
       HostTensor k[4];
-      for (HostTensor& v : k) v = RandomTensor(t, Shape{C}, -0.5, 1.5, &rng);
+      for (HostTensor& v : k) v = RandomTensor(StatsType(t), Shape{C}, -0.5, 1.5, &rng);
       const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
       const size_t bytes = static_cast<size_t>(rows * C) * es;
       // kind 0: apply, 1: backward apply, 2: frozen gradient (sums and dx).
