@@ -390,7 +390,7 @@ HWY_INLINE MergeWeights WeightsFor(double count, double nb) {
 // Rows a whole number of pages apart map a strip's lines to the same few L1 sets.
 constexpr int64_t kPageBytes = 4096;
 // Rows of whole multiples of this many bytes put a strip's lines in the same few L1 sets too
-// (ApplyRows, BackwardApplyRows).
+// (ApplyRows).
 constexpr int64_t kTileRowBytes = 2048;
 HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes, int tensors, RowRead read) {
   constexpr int64_t kBlockBytes = 48 * 1024;
@@ -1317,17 +1317,22 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // Float rows of whole 2 KB multiples stored regularly go in row order, in tiles of at most a
   // page of channels: strip by strip, a strip's loads and stores down the rows all fall in the same
   // few L1 sets. Whole rows of 8 KB lost (32x7x7x2048 training forward 1.12-1.16x): the three
-  // coefficient arrays then overflow L1 with the rows, hence the tiles. Zen 4, calls alternating
-  // in one process, medians over 5-9 processes, tiles / strips: 4 KB rows, inference 1x14x14x1024
-  // 0.74x the time (earlier: 1x7x7x1024 0.47-0.49x, 8x14x14x1024 0.63x, 32x14x14x1024 1.0-1.04x);
-  // 2 KB rows, inference 128x7x7x512 0.78x and 32x14x14x512 0.97x (0.82x and 0.73x with the
-  // buffers 16 bytes past a line, as NumPy allocates them); 8 KB rows, 1x7x7x2048 inference 0.86x
-  // and training forward 0.90x, 32x7x7x2048 0.98x and 1.0x (0.8-1.4x from process to process).
-  // Narrower rows lost (96x8x8x448 inference 1.17x, 96x35x35x48 1.27x), as did bfloat16, whose
-  // rows here widen value by value (1x7x7x2048 training forward 1.38x, 32x14x14x512 inference
-  // 1.38x).
+  // coefficient arrays then overflow L1 with the rows, hence the tiles. Calls of whole rows only,
+  // and rows of exactly 4 KB (taken in row order before): the channel groups of batch-1 calls
+  // (ForwardTrainingGroups, a thread's group a part of each row) were slower tiled than in strips
+  // (fbn_bench, warm: 1x14x14x512 training forward 44 us against 28, 1x7x7x2048 35 against 30).
+  // Zen 4, old / new fbn_bench alternating, warm: inference 128x7x7x512 0.69x the time,
+  // 32x14x14x512 training forward 0.95x; in one process, alternating calls: 4 KB rows, inference
+  // 1x14x14x1024 0.74x (earlier: 1x7x7x1024 0.47-0.49x, 8x14x14x1024 0.63x); with the buffers 16
+  // bytes past a line (NumPy's), 32x14x14x512 inference 0.73x. Narrower rows lost (96x8x8x448
+  // inference 1.17x, 96x35x35x48 1.27x), as did bfloat16, whose rows here widen value by value
+  // (1x7x7x2048 training forward 1.38x, 32x14x14x512 inference 1.38x). The backward apply gained
+  // in one process (0.82-0.96x) but lost in fbn_bench and in a full run (32x7x7x512 training
+  // gradient 1.1-1.6x), so it keeps the strips.
   const int64_t row_bytes = C * static_cast<int64_t>(sizeof(T));
-  const bool tiled_rows = sizeof(T) >= 4 && !nt && row_bytes % kTileRowBytes == 0;
+  const bool tiled_rows =
+      sizeof(T) >= 4 && !nt &&
+      (row_bytes == kPageBytes || (row_bytes % kTileRowBytes == 0 && c0 == 0 && c1 == C));
   if (!tiled_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
@@ -2244,14 +2249,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     }
   }
 #endif
-  // Float rows of whole 2 KB multiples stored regularly go in row order, in tiles, as in
-  // ApplyRows. Training gradients, medians over 5 processes, tiles / strips: 32x7x7x512 0.83x the
-  // time, 1x28x28x512 0.95x, 1x7x7x2048 0.96x, 1x14x14x1024 0.90x; with dx 16 bytes past a line
-  // (never streamed) 128x7x7x512 0.85x, 32x7x7x2048 0.98x. Streamed rows were no faster tiled
-  // (0.87-1.07x), so they keep the strips or, up to 512 channels, rows in order (below).
-  const bool tiled_rows =
-      sizeof(T) >= 4 && !nt && (C * static_cast<int64_t>(sizeof(T))) % kTileRowBytes == 0;
-  if (!tiled_rows && (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
+  if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
     // Strips with the coefficients in registers, as in ApplyRows.
     const auto strip = [&](auto k, int64_t c) {
       StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
@@ -2308,22 +2306,17 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     }
   }
 #endif
-  const int64_t tile = tiled_rows ? kPageBytes / static_cast<int64_t>(sizeof(T)) : c1 - c0;
-  for (int64_t t0 = c0; t0 < c1; t0 += tile) {
-    const int64_t t1 = t0 + tile < c1 ? t0 + tile : c1;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t o = r * C;
-      int64_t c = t0;
-      for (; c + N <= t1; c += N) {
-        const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
-        const auto t =
-            hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
-        StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
-      }
-      for (; c < t1; ++c) {
-        const A xc = ToAcc(x[o + c]) - mean[c];
-        dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
-      }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C;
+    int64_t c = c0;
+    for (; c + N <= c1; c += N) {
+      const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
+      const auto t = hn::MulAdd(hn::LoadU(d, k1 + c), LoadAcc(d, dy + o + c), hn::LoadU(d, k0 + c));
+      StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
+    }
+    for (; c < c1; ++c) {
+      const A xc = ToAcc(x[o + c]) - mean[c];
+      dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
     }
   }
 }
