@@ -1275,22 +1275,23 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   // Streaming needs every stored vector aligned: whole-vector rows from an aligned start.
   bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, y + r0 * C);
+  // Outputs off a line (StreamShiftedRows): the elements outside the aligned vectors.
+  const A* const coef[3] = {mean, a, b};
+  const auto apply_one = [&](int64_t e, int64_t c) {
+    return FromAcc<T>(std::fma(ToAcc(x[e]) - mean[c], a[c], b[c]));
+  };
   if (StreamsShifted(d, stream, nt, C, c0, c1, y + r0 * C)) {
-    const A* const coef[3] = {mean, a, b};
     return StreamShiftedRows<3>(
         d, C, r0, r1, y, coef,
         [&](int64_t e, const hn::Vec<decltype(d)>* v) {
           return hn::MulAdd(hn::Sub(LoadAcc(d, x + e), v[0]), v[1], v[2]);
         },
-        [&](int64_t e, int64_t c) {
-          return FromAcc<T>(std::fma(ToAcc(x[e]) - mean[c], a[c], b[c]));
-        });
+        apply_one);
   }
 #if FBN_BF16_PAIRS
   // Not from L3, where the aligned pairs stream from strips (below), faster than in row order.
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (read != RowRead::kL3 && StreamsShiftedPairs(d, stream, C, c0, c1, y + r0 * C)) {
-      const float* const coef[3] = {mean, a, b};
       return StreamShiftedPairs<3>(
           d, C, r0, r1, y, coef,
           [&](int64_t e, const float* q, int64_t w) {
@@ -1302,9 +1303,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
                                        hn::LoadU(d, q + 2 * w + N));
             return BF16PairBits(d, ye, yo);
           },
-          [&](int64_t e, int64_t c) {
-            return FromAcc<T>(std::fma(ToAcc(x[e]) - mean[c], a[c], b[c]));
-          });
+          apply_one);
     }
   }
 #endif
@@ -1793,6 +1792,8 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   const bool shifted =
       shifted_pairs || (k1 && StreamsShifted(d, stream, nt, C, c0, c1, dx + r0 * C));
   const A* strip_k1 = shifted ? nullptr : k1;
+  const A* const coef[1] = {k1};
+  const auto dx_one = [&](int64_t e, int64_t c) { return FromAcc<T>(ToAcc(dy[e]) * k1[c]); };
   for (int64_t c = c0; c < c1; ++c) sum_dy[c] = sum_dy_xc[c] = 0.0;
 #if FBN_BF16_PAIRS
   // bfloat16 row sweeps of whole pairs take ReducePairRows.
@@ -1876,7 +1877,6 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
       if (shifted_pairs) {
-        const float* const coef[1] = {k1};
         StreamShiftedPairs<1>(
             d, C, b0, b1, dx, coef,
             [&](int64_t e, const float* q, int64_t) {
@@ -1885,18 +1885,17 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
               return BF16PairBits(d, hn::Mul(ge, hn::LoadU(d, q)),
                                   hn::Mul(go, hn::LoadU(d, q + N)));
             },
-            [&](int64_t e, int64_t c) { return FromAcc<T>(ToAcc(dy[e]) * k1[c]); });
+            dx_one);
       }
     }
 #endif
     if (shifted && !shifted_pairs) {
-      const A* const coef[1] = {k1};
       StreamShiftedRows<1>(
           d, C, b0, b1, dx, coef,
           [&](int64_t e, const hn::Vec<decltype(d)>* v) {
             return hn::Mul(LoadAcc(d, dy + e), v[0]);
           },
-          [&](int64_t e, int64_t c) { return FromAcc<T>(ToAcc(dy[e]) * k1[c]); });
+          dx_one);
     }
     for (int64_t c = c0; c < c1; ++c) {
       sum_dy[c] += static_cast<double>(s[c]);
@@ -2211,23 +2210,24 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   const AccTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, dx + r0 * C);
+  // Outputs off a line (StreamShiftedRows): the elements outside the aligned vectors.
+  const A* const coef[4] = {mean, k1, k2, k0};
+  const auto dx_one = [&](int64_t e, int64_t c) {
+    const A xc = ToAcc(x[e]) - mean[c];
+    return FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[e]), k0[c])));
+  };
   if (StreamsShifted(d, stream, nt, C, c0, c1, dx + r0 * C)) {
-    const A* const coef[4] = {mean, k1, k2, k0};
     return StreamShiftedRows<4>(
         d, C, r0, r1, dx, coef,
         [&](int64_t e, const hn::Vec<decltype(d)>* v) {
           const auto xc = hn::Sub(LoadAcc(d, x + e), v[0]);
           return hn::MulAdd(v[2], xc, hn::MulAdd(v[1], LoadAcc(d, dy + e), v[3]));
         },
-        [&](int64_t e, int64_t c) {
-          const A xc = ToAcc(x[e]) - mean[c];
-          return FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[e]), k0[c])));
-        });
+        dx_one);
   }
 #if FBN_BF16_PAIRS
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (StreamsShiftedPairs(d, stream, C, c0, c1, dx + r0 * C)) {
-      const float* const coef[4] = {mean, k1, k2, k0};
       return StreamShiftedPairs<4>(
           d, C, r0, r1, dx, coef,
           [&](int64_t e, const float* q, int64_t w) {
@@ -2242,10 +2242,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
                            hn::MulAdd(hn::LoadU(d, q + w + N), go, hn::LoadU(d, q + 3 * w + N)));
             return BF16PairBits(d, ve, vo);
           },
-          [&](int64_t e, int64_t c) {
-            const A xc = ToAcc(x[e]) - mean[c];
-            return FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[e]), k0[c])));
-          });
+          dx_one);
     }
   }
 #endif
