@@ -13,6 +13,7 @@
 #include "kernels/channel_math.h"
 #include "kernels/convert.h"
 #include "kernels/kernel_table.h"
+#include "kernels/thread_tuning.h"
 #include "threading/thread_pool.h"
 
 namespace fbn::kernels {
@@ -371,12 +372,12 @@ constexpr int64_t kColdProbeTraffic = 32 * 1024;
 // Threads for a call that moves `tensors` tensors of g's size.
 int CallThreads(const Geometry& g, size_t elem_bytes, int tensors, InputProbe& probe) {
   const int64_t traffic = tensors * g.elements() * static_cast<int64_t>(elem_bytes);
-  const int threads = threading::ThreadsForWork(traffic);
-  if (threads >= threading::NumThreads() || traffic < kColdProbeTraffic || probe.InCoreCache()) {
-    return threads;
+  int threads = threading::ThreadsForWork(traffic);
+  if (threads < threading::NumThreads() && traffic >= kColdProbeTraffic && !probe.InCoreCache()) {
+    threads = std::min<int>(threading::NumThreads(),
+                            static_cast<int>(std::max<int64_t>(1, traffic / kColdBytesPerThread)));
   }
-  return std::min<int>(threading::NumThreads(),
-                       static_cast<int>(std::max<int64_t>(1, traffic / kColdBytesPerThread)));
+  return ThreadTuning::Threads(threads, traffic);
 }
 
 // Channels-first calls that would stream only because their input is not in cache (the output
@@ -929,6 +930,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
 
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
                   double* variance) {
+  const ThreadTuning tuning(1, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1021,6 +1023,7 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
 
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
            const void* b, void* y) {
+  const ThreadTuning tuning(2, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1131,6 +1134,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
 
 void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
+  const ThreadTuning tuning(3, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1146,6 +1150,7 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
                     ChannelStep prepare, ChannelStep finish) {
+  const ThreadTuning tuning(4, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1186,6 +1191,7 @@ void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const 
 
 void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
+  const ThreadTuning tuning(5, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1469,6 +1475,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
                      void* k_a, void* k_b, void* y, ChannelStep finish) {
+  const ThreadTuning tuning(6, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
@@ -1536,6 +1543,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
                       double* sum_dy, double* sum_dy_xc, void* dx, ChannelStep prepare,
                       ChannelStep finish) {
+  const ThreadTuning tuning(7, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {

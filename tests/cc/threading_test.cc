@@ -177,6 +177,26 @@ TEST_P(ThreadCountTest, BitIdenticalForAnyThreadCount) {
   }
 }
 
+// Small calls choose between one thread and all threads by their own recent times
+// (kernels/thread_tuning.h), so repeated calls of one shape run both ways: every repetition must
+// give the first call's bits.
+TEST(ThreadCount, RepeatedSmallCallsKeepTheirBits) {
+  for (const Workload& w : {kWorkloads[4], kWorkloads[5]}) {
+    SCOPED_TRACE(w.name);
+    const Inputs in = MakeInputs(DataType::kFloat32, w, 5);
+    fbn::SetNumThreads(2);
+    const Outputs first = RunAll(in, w.format);
+    for (int rep = 0; rep < 150; ++rep) {
+      const Outputs again = RunAll(in, w.format);
+      ASSERT_EQ(again.bytes.size(), first.bytes.size());
+      for (size_t i = 0; i < first.bytes.size(); ++i) {
+        ASSERT_TRUE(again.bytes[i] == first.bytes[i]) << "repetition " << rep << " output " << i;
+      }
+    }
+  }
+  fbn::SetNumThreads(0);
+}
+
 // TensorFlow passes an empty mean and variance to training with factor 1, which does not read
 // them: null data then, which no channel task may offset (the fuzzer's UBSan finding). Channels
 // split into tasks in both layouts; same bits as with the running statistics given.

@@ -1,0 +1,125 @@
+#include "kernels/thread_tuning.h"
+
+#include <array>
+#include <cstdlib>
+
+namespace fbn::kernels {
+namespace {
+
+constexpr int kAll = 0;  // all threads (the untuned count)
+constexpr int kOne = 1;  // one thread
+// After a switch, the first calls move the data between the cores' caches and wake or idle the
+// workers: only the calls after this many in a row of one choice are timed.
+constexpr int kUntimedCalls = 2;
+// The slower choice runs again for kRetryCalls calls (the last one timed) every 16 calls of the
+// shape while the two are within 10% of each other, and up to every 256 calls as they differ more:
+// a retry costs about (kRetryCalls / period) * (slower / faster - 1) of the time.
+constexpr int kRetryCalls = kUntimedCalls + 1;
+int RetryPeriod(double slower, double faster) {
+  const double r = slower / faster;
+  return r < 1.1 ? 16 : r < 1.3 ? 32 : r < 1.6 ? 128 : 256;
+}
+constexpr int kShapes = 64;  // shapes remembered per calling thread (direct-mapped)
+
+bool TuningOn() {
+  static const bool on = [] {
+    const char* env = std::getenv("FBN_TUNE_THREADS");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  return on;
+}
+
+}  // namespace
+
+struct ThreadTuning::Shape {
+  uint64_t key = 0;
+  double time[2] = {0, 0};  // moving averages, seconds
+  int samples[2] = {0, 0};
+  int since_retry = 0;  // calls since the last retry
+  int retry_left = 0;
+  int last = -1;       // the choice of the previous call
+  int in_row = 0;      // calls in a row with that choice
+  int current = 0;     // the choice of the call in progress
+  bool tuned = false;  // the call in progress used more than one thread untuned
+
+  int Best() const {
+    if (samples[kAll] == 0) return kAll;
+    if (samples[kOne] == 0) return kOne;
+    return time[kOne] < time[kAll] ? kOne : kAll;
+  }
+  void Record(double seconds) {
+    const int k = current;
+    if (samples[k] == 0) {
+      time[k] = seconds;
+    } else {
+      // Damped, and a preempted call counts as at most three times the average.
+      const double t = seconds < 3 * time[k] ? seconds : 3 * time[k];
+      time[k] += 0.25 * (t - time[k]);
+    }
+    ++samples[k];
+  }
+};
+
+namespace {
+
+struct State {
+  std::array<ThreadTuning::Shape, kShapes> shapes;
+  ThreadTuning::Shape* open = nullptr;  // the outermost tuned call in progress
+};
+thread_local State t_state;
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  return h;
+}
+
+}  // namespace
+
+ThreadTuning::ThreadTuning(int site, int dtype, bool channels_last, int64_t n, int64_t c,
+                           int64_t s) {
+  State& st = t_state;
+  if (st.open != nullptr || !TuningOn()) return;
+  uint64_t key = Mix(Mix(Mix(Mix(Mix(1, static_cast<uint64_t>(site)), static_cast<uint64_t>(dtype)),
+                             channels_last ? 1 : 2),
+                         static_cast<uint64_t>(n)),
+                     static_cast<uint64_t>(c));
+  key = Mix(key, static_cast<uint64_t>(s)) | 1;  // never 0, the empty slot's key
+  Shape& sh = st.shapes[key % kShapes];
+  if (sh.key != key) sh = Shape{key};
+  if (sh.retry_left > 0) {
+    --sh.retry_left;  // `current` stays the other choice
+  } else {
+    sh.current = sh.Best();
+    if (sh.samples[kOne] > 0 && sh.samples[kAll] > 0 &&
+        ++sh.since_retry >= RetryPeriod(sh.time[1 - sh.current], sh.time[sh.current])) {
+      sh.since_retry = 0;
+      sh.current = 1 - sh.current;
+      sh.retry_left = kRetryCalls - 1;
+    }
+  }
+  sh.tuned = false;
+  shape_ = &sh;
+  st.open = shape_;
+  start_ = std::chrono::steady_clock::now();
+}
+
+ThreadTuning::~ThreadTuning() {
+  if (shape_ == nullptr) return;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  Shape& sh = *shape_;
+  t_state.open = nullptr;
+  if (!sh.tuned) return;
+  sh.in_row = sh.current == sh.last ? sh.in_row + 1 : 1;
+  sh.last = sh.current;
+  if (sh.in_row > kUntimedCalls) sh.Record(seconds);
+}
+
+int ThreadTuning::Threads(int threads, int64_t traffic) {
+  Shape* sh = t_state.open;
+  if (sh == nullptr || threads <= 1 || traffic > kMaxTraffic) return threads;
+  sh->tuned = true;
+  return sh->current == kOne ? 1 : threads;
+}
+
+}  // namespace fbn::kernels
