@@ -37,10 +37,9 @@ struct ThreadTuning::Shape {
   int samples[2] = {0, 0};
   int since_retry = 0;  // calls since the last retry
   int retry_left = 0;
-  int last = -1;       // the choice of the previous call
-  int in_row = 0;      // calls in a row with that choice
-  int current = 0;     // the choice of the call in progress
-  bool tuned = false;  // the call in progress used more than one thread untuned
+  int last = -1;    // the choice of the previous call
+  int in_row = 0;   // calls in a row with that choice
+  int current = 0;  // the choice of the call in progress
 
   int Best() const {
     if (samples[kAll] == 0) return kAll;
@@ -64,7 +63,7 @@ namespace {
 
 struct State {
   std::array<ThreadTuning::Shape, kShapes> shapes;
-  ThreadTuning::Shape* open = nullptr;  // the outermost tuned call in progress
+  ThreadTuning* open = nullptr;  // the outermost tuned call in progress
 };
 thread_local State t_state;
 
@@ -79,13 +78,19 @@ ThreadTuning::ThreadTuning(int site, int dtype, bool channels_last, int64_t n, i
                            int64_t s) {
   State& st = t_state;
   if (st.open != nullptr || !TuningOn()) return;
-  uint64_t key = Mix(Mix(Mix(Mix(Mix(1, static_cast<uint64_t>(site)), static_cast<uint64_t>(dtype)),
-                             channels_last ? 1 : 2),
-                         static_cast<uint64_t>(n)),
-                     static_cast<uint64_t>(c));
-  key = Mix(key, static_cast<uint64_t>(s)) | 1;  // never 0, the empty slot's key
-  Shape& sh = st.shapes[key % kShapes];
-  if (sh.key != key) sh = Shape{key};
+  key_ = Mix(Mix(Mix(Mix(Mix(1, static_cast<uint64_t>(site)), static_cast<uint64_t>(dtype)),
+                     channels_last ? 1 : 2),
+                 static_cast<uint64_t>(n)),
+             static_cast<uint64_t>(c));
+  key_ = Mix(key_, static_cast<uint64_t>(s)) | 1;  // never 0, the empty slot's key
+  st.open = this;
+}
+
+// The call's first part that would use several threads: the shape's choice for this call, and
+// the clock starts (calls that never get here, one-thread and large ones, are not timed).
+ThreadTuning::Shape& ThreadTuning::Begin() {
+  Shape& sh = t_state.shapes[key_ % kShapes];
+  if (sh.key != key_) sh = Shape{key_};
   if (sh.retry_left > 0) {
     --sh.retry_left;  // `current` stays the other choice
   } else {
@@ -97,29 +102,29 @@ ThreadTuning::ThreadTuning(int site, int dtype, bool channels_last, int64_t n, i
       sh.retry_left = kRetryCalls - 1;
     }
   }
-  sh.tuned = false;
   shape_ = &sh;
-  st.open = shape_;
   start_ = std::chrono::steady_clock::now();
+  return sh;
 }
 
 ThreadTuning::~ThreadTuning() {
+  State& st = t_state;
+  if (st.open != this) return;
+  st.open = nullptr;
   if (shape_ == nullptr) return;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   Shape& sh = *shape_;
-  t_state.open = nullptr;
-  if (!sh.tuned) return;
   sh.in_row = sh.current == sh.last ? sh.in_row + 1 : 1;
   sh.last = sh.current;
   if (sh.in_row > kUntimedCalls) sh.Record(seconds);
 }
 
 int ThreadTuning::Threads(int threads, int64_t traffic) {
-  Shape* sh = t_state.open;
-  if (sh == nullptr || threads <= 1 || traffic > kMaxTraffic) return threads;
-  sh->tuned = true;
-  return sh->current == kOne ? 1 : threads;
+  ThreadTuning* call = t_state.open;
+  if (call == nullptr || threads <= 1 || traffic > kMaxTraffic) return threads;
+  const Shape& sh = call->shape_ != nullptr ? *call->shape_ : call->Begin();
+  return sh.current == kOne ? 1 : threads;
 }
 
 }  // namespace fbn::kernels

@@ -38,7 +38,10 @@ class ThreadTuning {
   struct Shape;  // what a calling thread remembers of a shape (thread_tuning.cc)
 
  private:
-  Shape* shape_ = nullptr;  // null: not the outermost tuned call, or tuning off
+  Shape& Begin();
+
+  uint64_t key_ = 0;        // the shape's; 0: not the outermost tuned call, or tuning off
+  Shape* shape_ = nullptr;  // set by the call's first part that would use several threads
   std::chrono::steady_clock::time_point start_;
 };
 
