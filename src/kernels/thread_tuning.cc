@@ -19,6 +19,10 @@ int RetryPeriod(double slower, double faster) {
   const double r = slower / faster;
   return r < 1.1 ? 16 : r < 1.3 ? 32 : r < 1.6 ? 128 : 256;
 }
+// Until a choice has this many timed calls, its average is their minimum, and it is retried
+// every kFirstRetryPeriod calls.
+constexpr int kFirstSamples = 4;
+constexpr int kFirstRetryPeriod = 8;
 constexpr int kShapes = 64;  // shapes remembered per calling thread (direct-mapped)
 
 bool TuningOn() {
@@ -48,11 +52,16 @@ struct ThreadTuning::Shape {
   }
   void Record(double seconds) {
     const int k = current;
-    if (samples[k] == 0) {
-      time[k] = seconds;
+    if (samples[k] < kFirstSamples) {
+      // A shape's first calls can be slow for reasons of their own (fresh buffers, a waking
+      // worker): a 1x14x14x1024 float training forward's first timed call on two threads took
+      // 137-642 us against 26-29 later, and kept it on one thread (56 us) for 30-40% of a
+      // benchmark's calls. The fastest of the first samples starts the average.
+      time[k] = samples[k] == 0 || seconds < time[k] ? seconds : time[k];
     } else {
-      // Damped, and a preempted call counts as at most three times the average.
-      const double t = seconds < 3 * time[k] ? seconds : 3 * time[k];
+      // Damped, and a call counts as at most 1.5 times the average: a few slow calls in a row
+      // (preemption) move it little, a lasting change 1.9x within six calls.
+      const double t = seconds < 1.5 * time[k] ? seconds : 1.5 * time[k];
       time[k] += 0.25 * (t - time[k]);
     }
     ++samples[k];
@@ -95,8 +104,11 @@ ThreadTuning::Shape& ThreadTuning::Begin() {
     --sh.retry_left;  // `current` stays the other choice
   } else {
     sh.current = sh.Best();
+    const int other = 1 - sh.current;
     if (sh.samples[kOne] > 0 && sh.samples[kAll] > 0 &&
-        ++sh.since_retry >= RetryPeriod(sh.time[1 - sh.current], sh.time[sh.current])) {
+        ++sh.since_retry >= (sh.samples[other] < kFirstSamples
+                                 ? kFirstRetryPeriod
+                                 : RetryPeriod(sh.time[other], sh.time[sh.current]))) {
       sh.since_retry = 0;
       sh.current = 1 - sh.current;
       sh.retry_left = kRetryCalls - 1;
