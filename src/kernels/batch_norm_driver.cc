@@ -930,7 +930,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
 
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
                   double* variance) {
-  const ThreadTuning tuning(1, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kStats, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1023,7 +1023,7 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
 
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
            const void* b, void* y) {
-  const ThreadTuning tuning(2, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kApply, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1134,7 +1134,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
 
 void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
-  const ThreadTuning tuning(3, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardReduce, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1150,7 +1150,7 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
                     ChannelStep prepare, ChannelStep finish) {
-  const ThreadTuning tuning(4, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kFrozenBackward, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1191,7 +1191,7 @@ void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const 
 
 void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
-  const ThreadTuning tuning(5, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardApply, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1475,7 +1475,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
                      void* k_a, void* k_b, void* y, ChannelStep finish) {
-  const ThreadTuning tuning(6, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kForwardTraining, dtype, g);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
@@ -1543,7 +1543,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
                       double* sum_dy, double* sum_dy_xc, void* dx, ChannelStep prepare,
                       ChannelStep finish) {
-  const ThreadTuning tuning(7, static_cast<int>(dtype), g.channels_last, g.n, g.c, g.s);
+  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardTraining, dtype, g);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {

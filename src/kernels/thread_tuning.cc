@@ -83,15 +83,15 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 }  // namespace
 
-ThreadTuning::ThreadTuning(int site, int dtype, bool channels_last, int64_t n, int64_t c,
-                           int64_t s) {
+ThreadTuning::ThreadTuning(Entry entry, DataType dtype, const Geometry& g) {
   State& st = t_state;
   if (st.open != nullptr || !TuningOn()) return;
-  key_ = Mix(Mix(Mix(Mix(Mix(1, static_cast<uint64_t>(site)), static_cast<uint64_t>(dtype)),
-                     channels_last ? 1 : 2),
-                 static_cast<uint64_t>(n)),
-             static_cast<uint64_t>(c));
-  key_ = Mix(key_, static_cast<uint64_t>(s)) | 1;  // never 0, the empty slot's key
+  uint64_t key = 1;
+  for (const int64_t v : {static_cast<int64_t>(entry), static_cast<int64_t>(dtype),
+                          static_cast<int64_t>(g.channels_last), g.n, g.c, g.s}) {
+    key = Mix(key, static_cast<uint64_t>(v));
+  }
+  key_ = key | 1;  // never 0, the empty slot's key
   st.open = this;
 }
 
@@ -110,7 +110,7 @@ ThreadTuning::Shape& ThreadTuning::Begin() {
                                  ? kFirstRetryPeriod
                                  : RetryPeriod(sh.time[other], sh.time[sh.current]))) {
       sh.since_retry = 0;
-      sh.current = 1 - sh.current;
+      sh.current = other;
       sh.retry_left = kRetryCalls - 1;
     }
   }

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "kernels/batch_norm_kernels.h"
+
 namespace fbn::kernels {
 
 // Whether a small call gains from a second thread depends on what the threads' hand-over costs
@@ -24,9 +26,20 @@ class ThreadTuning {
   // Calls moving more than this use all threads without timing.
   static constexpr int64_t kMaxTraffic = 4 << 20;
 
-  // Opens a tuned call at a public kernel entry (`site` tells the entries apart); calls nested in
-  // it (a transposed layout's recursion) take part in the outer one.
-  ThreadTuning(int site, int dtype, bool channels_last, int64_t n, int64_t c, int64_t s);
+  // The public kernel entries, told apart in a shape's key.
+  enum class Entry {
+    kStats,
+    kApply,
+    kBackwardReduce,
+    kFrozenBackward,
+    kBackwardApply,
+    kForwardTraining,
+    kBackwardTraining,
+  };
+
+  // Opens a tuned call at `entry` on g; calls nested in it (a transposed layout's recursion) take
+  // part in the outer one.
+  ThreadTuning(Entry entry, DataType dtype, const Geometry& g);
   ~ThreadTuning();
   ThreadTuning(const ThreadTuning&) = delete;
   ThreadTuning& operator=(const ThreadTuning&) = delete;

@@ -11,7 +11,10 @@
 namespace fbn_test {
 namespace {
 
+using fbn::DataType;
+using fbn::kernels::Geometry;
 using fbn::kernels::ThreadTuning;
+using Entry = ThreadTuning::Entry;
 
 void SpinFor(std::chrono::microseconds d) {
   const auto until = std::chrono::steady_clock::now() + d;
@@ -28,7 +31,7 @@ struct Counts {
 Counts Simulate(int64_t shape_c, int calls, int counted, int one_us, int all_us) {
   Counts counts;
   for (int i = 0; i < calls; ++i) {
-    const ThreadTuning tuning(/*site=*/100, /*dtype=*/0, true, 1, shape_c, 49);
+    const ThreadTuning tuning(Entry::kApply, DataType::kFloat32, Geometry{true, 1, shape_c, 49});
     const int threads = ThreadTuning::Threads(4, 1 << 20);
     EXPECT_TRUE(threads == 1 || threads == 4) << threads;
     SpinFor(std::chrono::microseconds(threads == 1 ? one_us : all_us));
@@ -60,7 +63,7 @@ TEST(ThreadTuning, LeavesUntunedCallsAlone) {
   // Outside a tuned call, for one-thread parts and for large traffic: the count given.
   EXPECT_EQ(ThreadTuning::Threads(4, 1 << 20), 4);
   for (int i = 0; i < 200; ++i) {
-    const ThreadTuning tuning(101, 0, true, 1, 7, 7);
+    const ThreadTuning tuning(Entry::kStats, DataType::kFloat32, Geometry{true, 1, 7, 7});
     EXPECT_EQ(ThreadTuning::Threads(1, 1 << 20), 1);
     EXPECT_EQ(ThreadTuning::Threads(4, ThreadTuning::kMaxTraffic + 1), 4);
   }
@@ -68,10 +71,11 @@ TEST(ThreadTuning, LeavesUntunedCallsAlone) {
 
 TEST(ThreadTuning, NestedCallsTakeTheOuterChoice) {
   for (int i = 0; i < 100; ++i) {
-    const ThreadTuning outer(102, 0, true, 1, 9, 9);
+    const ThreadTuning outer(Entry::kForwardTraining, DataType::kFloat32, Geometry{true, 1, 9, 9});
     const int threads = ThreadTuning::Threads(4, 1 << 20);
     {
-      const ThreadTuning inner(103, 0, false, 1, 9, 9);
+      const ThreadTuning inner(Entry::kBackwardTraining, DataType::kFloat32,
+                               Geometry{false, 1, 9, 9});
       EXPECT_EQ(ThreadTuning::Threads(4, 1 << 20), threads);
     }
     EXPECT_EQ(ThreadTuning::Threads(4, 1 << 20), threads);
