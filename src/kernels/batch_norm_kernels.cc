@@ -1355,7 +1355,8 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     for (int64_t r = r0; r < r1 && cv < c1; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      for (int64_t c = cv; c < c1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
+      for (int64_t c = cv; c < c1; ++c)
+        yr[c] = FromAcc<T>(std::fma(ToAcc(xr[c]) - mean[c], a[c], b[c]));
     }
     return;
   }
@@ -1400,7 +1401,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
         const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
         StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
       }
-      for (; c < t1; ++c) yr[c] = FromAcc<T>((ToAcc(xr[c]) - mean[c]) * a[c] + b[c]);
+      for (; c < t1; ++c) yr[c] = FromAcc<T>(std::fma(ToAcc(xr[c]) - mean[c], a[c], b[c]));
     }
   }
 }
@@ -1522,7 +1523,7 @@ void ApplyPlanes(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, c
     const int64_t head = stream ? StreamHead(d, y + f) : -1;
     const bool nt = head >= 0 && head < end - f;
     if (nt) {
-      for (; i < f + head; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
+      for (; i < f + head; ++i) y[i] = FromAcc<T>(std::fma(ToAcc(x[i]) - mean[c], a[c], b[c]));
     }
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
@@ -1544,7 +1545,7 @@ void ApplyPlanes(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, c
         StoreAccN(d, hn::MulAdd(hn::Sub(LoadAccN(d, x + i, end - i), vm), va, vb), y + i, end - i);
       i = end;
     }
-    for (; i < end; ++i) y[i] = FromAcc<T>((ToAcc(x[i]) - mean[c]) * a[c] + b[c]);
+    for (; i < end; ++i) y[i] = FromAcc<T>(std::fma(ToAcc(x[i]) - mean[c], a[c], b[c]));
     f = end;
   }
 }
@@ -2269,7 +2270,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
       const int64_t o = r * C;
       for (int64_t c = cv; c < c1; ++c) {
         const A xc = ToAcc(x[o + c]) - mean[c];
-        dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+        dx[o + c] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[o + c]), k0[c])));
       }
     }
     return;
@@ -2313,7 +2314,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     }
     for (; c < c1; ++c) {
       const A xc = ToAcc(x[o + c]) - mean[c];
-      dx[o + c] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[o + c]) + k0[c]));
+      dx[o + c] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[o + c]), k0[c])));
     }
   }
 }
@@ -2342,7 +2343,7 @@ void BackwardApplyPlanes(const void* dyv, const void* xv, int64_t C, int64_t S, 
     const bool nt = head >= 0 && head < end - f;
     auto scalar = [&](int64_t j) {
       const A xc = ToAcc(x[j]) - mean[c];
-      dx[j] = FromAcc<T>(k2[c] * xc + (k1[c] * ToAcc(dy[j]) + k0[c]));
+      dx[j] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[j]), k0[c])));
     };
     if (nt) {
       for (; i < f + head; ++i) scalar(i);
