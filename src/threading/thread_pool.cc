@@ -53,7 +53,8 @@ class Pool {
       }
     }
     num_threads_ = 1 + static_cast<int>(workers_.size());
-    claimed_ = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(num_threads_));
+    claimed_ = std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(num_threads_));
+    for (int b = 0; b < num_threads_; ++b) claimed_[b].store(0, std::memory_order_relaxed);
   }
   ~Pool() {
     {
@@ -73,17 +74,20 @@ class Pool {
     fn_ = fn;
     context_ = context;
     num_tasks_ = num_tasks;
-    run_threads_ = threads;
-    for (int b = 0; b < threads; ++b) claimed_[b].store(false, std::memory_order_relaxed);
-    pending_.store(threads - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t run;
     {
       std::lock_guard<std::mutex> lock(wake_mutex_);
-      Publish(threads - 1);
+      run = Publish(threads - 1);
     }
     wake_cv_.notify_all();
-    DrainTasks(0);
-    // Wait for the workers taking part in this run.
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    DrainTasks(run, threads, 0);
+    // Wait for the blocks that workers claimed, not for the workers: one that the system has not
+    // scheduled yet finds every block claimed when it comes (the caller took them) and goes back
+    // to waiting. Waiting for each worker to check in cost up to a scheduler time slice per run
+    // while other processes held the cores (two busy loops beside fbn_bench: batch-1 calls of
+    // 9-54 us took 0.5-0.6 ms).
+    for (int spin = 0; done_.load(std::memory_order_acquire) != threads; ++spin) {
       if (spin > kSpinPolls) std::this_thread::yield();
     }
   }
@@ -96,25 +100,45 @@ class Pool {
   // (as OpenMP's static schedule does for oneDNN); with dynamic claiming, rows migrated between
   // cores on every call and two threads were slower than one on cache-resident tensors. A thread
   // that finishes its block takes any block not yet claimed, so a late worker never stalls a run.
-  void DrainTasks(int self) {
+  //
+  // Block b is claimed for run `run` by raising claimed_[b] from an older run's number to `run`.
+  // That fails once the run has claimed it, and after the run completed (each of its blocks then
+  // holds its number or a newer one), so a worker that comes late never runs a block twice or a
+  // later run's block under its own run's shape; fn_, context_ and num_tasks_ are read only after
+  // a claim succeeded, while the run waits for that block.
+  void DrainTasks(uint64_t run, int threads, int self) {
     const bool was_inside = t_inside_pool_task;
     t_inside_pool_task = true;
-    const int threads = run_threads_;
+    int ran = 0;
     for (int k = 0; k < threads; ++k) {
       const int b = (self + k) % threads;
-      if (claimed_[b].exchange(true, std::memory_order_acq_rel)) continue;
+      if (!Claim(b, run)) continue;
       const int64_t t0 = num_tasks_ * b / threads, t1 = num_tasks_ * (b + 1) / threads;
       for (int64_t t = t0; t < t1; ++t) fn_(context_, t);
+      ++ran;
     }
-    hwy::FlushStream();  // see ParallelForRaw
+    if (ran > 0) {
+      hwy::FlushStream();  // see ParallelForRaw
+      done_.fetch_add(ran, std::memory_order_acq_rel);
+    }
     t_inside_pool_task = was_inside;
   }
 
+  bool Claim(int block, uint64_t run) {
+    std::atomic<uint64_t>& c = claimed_[block];
+    uint64_t seen = c.load(std::memory_order_acquire);
+    while (seen < run) {
+      if (c.compare_exchange_weak(seen, run, std::memory_order_acq_rel)) return true;
+    }
+    return false;
+  }
+
   // A run is published as one word, (generation << 16) | workers wanted, so a worker never pairs
-  // one run's generation with another run's thread count.
-  void Publish(int workers) {
+  // one run's generation with another run's thread count. Returns the generation.
+  uint64_t Publish(int workers) {
     const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 16) + 1;
     state_.store((generation << 16) | static_cast<uint64_t>(workers), std::memory_order_release);
+    return generation;
   }
 
   void WorkerLoop(int index) {
@@ -143,9 +167,7 @@ class Pool {
         if (stop_) return;
         continue;
       }
-      // Counted in this run's pending_: the run (and its parameters) outlives this drain.
-      DrainTasks(index);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      DrainTasks(now >> 16, static_cast<int>(now & 0xFFFF) + 1, index);
     }
   }
 
@@ -160,9 +182,8 @@ class Pool {
   TaskFn fn_ = nullptr;
   void* context_ = nullptr;
   int64_t num_tasks_ = 0;
-  int run_threads_ = 1;
-  std::unique_ptr<std::atomic<bool>[]> claimed_;  // per block of the current run
-  std::atomic<int> pending_{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> claimed_;  // per block: the run that claimed it last
+  std::atomic<int> done_{0};                          // blocks of the current run completed
 };
 
 int DefaultThreadCount() {

@@ -3,9 +3,11 @@
 // Each run must have finished every one of its tasks, exactly once, when ParallelFor returns.
 // A watchdog turns a hang into a failure with a message.
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -157,6 +159,64 @@ TEST(ThreadPoolStress, NestedCallsRunInline) {
   });
   fbn::SetNumThreads(0);
   EXPECT_EQ(inner.load(), 40);
+}
+
+// A worker the system does not schedule (here: held in a signal handler) must not hold up a run:
+// the caller takes its block and the run completes without it.
+std::atomic<bool> g_hold_worker{false};
+std::atomic<bool> g_worker_held{false};
+extern "C" void HoldWorker(int) {
+  g_worker_held.store(true);
+  while (g_hold_worker.load()) {
+  }
+}
+
+TEST(ThreadPoolStress, RunsCompleteWithoutAnAbsentWorker) {
+  fbn::SetNumThreads(2);
+  const pthread_t caller = pthread_self();
+  pthread_t worker{};
+  std::atomic<bool> found{false};
+  for (int i = 0; i < 2000 && !found.load(); ++i) {
+    fbn::threading::ParallelFor(2, 2, [&](int64_t) {
+      if (!pthread_equal(pthread_self(), caller) && !found.exchange(true)) worker = pthread_self();
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    });
+  }
+  ASSERT_TRUE(found.load()) << "no task of 2000 runs ran on the worker";
+
+  struct sigaction hold {
+  }, previous{};
+  hold.sa_handler = HoldWorker;
+  sigemptyset(&hold.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR1, &hold, &previous), 0);
+  g_hold_worker.store(true);
+  ASSERT_EQ(pthread_kill(worker, SIGUSR1), 0);
+  for (int ms = 0; ms < 10000 && !g_worker_held.load(); ++ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool held = g_worker_held.load();
+
+  std::atomic<int64_t> progress{0};
+  int on_caller = 0, runs = 0;
+  if (held) {
+    Watchdog watchdog(&progress, 10);
+    for (; runs < 200; ++runs) {
+      int hits[4] = {0, 0, 0, 0};
+      fbn::threading::ParallelFor(4, 2, [&](int64_t t) {
+        ++hits[t];
+        on_caller += pthread_equal(pthread_self(), caller) ? 1 : 0;
+      });
+      for (const int h : hits) EXPECT_EQ(h, 1) << "run " << runs;
+      progress.fetch_add(1);
+    }
+  }
+  g_hold_worker.store(false);
+  sigaction(SIGUSR1, &previous, nullptr);
+  fbn::SetNumThreads(0);
+  ASSERT_TRUE(held) << "the worker did not take the signal within 10 s";
+  EXPECT_EQ(on_caller, 4 * runs);
 }
 
 }  // namespace
