@@ -297,6 +297,7 @@ class Runner:
         self.available = {}
         self.workers = {}
         self.secs = {}
+        self.placements = []  # (lib, tag, ns before, ns after, state) per timed batch
 
     def exe(self, name):
         return os.path.join(self.bin, name)
@@ -342,8 +343,43 @@ class Runner:
         for w in self.workers.values():
             w.close()
 
+    def round_trip_ns(self):
+        """The CPU pair's cache-line round trip now (placement_probe), or None without it."""
+        prog = self.exe("placement_probe")
+        if self.args.no_placement or not os.path.exists(prog):
+            return None
+        try:
+            out = subprocess.run([prog, "--ms=5"], capture_output=True, text=True, timeout=30)
+            ns = json.loads(out.stdout)["round_trip_ns"]
+        except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+            return None
+        return ns if ns > 0 else None
+
+    def placement_state(self, before, after):
+        """'near' / 'far' when both probes around a batch agree, 'mixed' when the host moved the
+        CPUs during it, 'busy' when a probe could not see the hardware's round trip (every
+        sample preempted: over 2000 ns), None without probes."""
+        if before is None or after is None:
+            return None
+        if max(before, after) > 2000:
+            return "busy"
+        near = [ns < self.args.placement_split_ns for ns in (before, after)]
+        return "mixed" if near[0] != near[1] else ("near" if near[0] else "far")
+
     def run(self, lib, cases, tag, parity=None):
-        """parity: None, or {"dir":..., "shape": [...]} to run the parity pass first."""
+        """parity: None, or {"dir":..., "shape": [...]} to run the parity pass first. Each result
+        of a timed batch carries the CPUs' placement around it (placement_state)."""
+        before = self.round_trip_ns() if cases else None
+        res, rc, secs = self.run_batch(lib, cases, tag, parity)
+        if cases and before is not None:
+            after = self.round_trip_ns()
+            state = self.placement_state(before, after)
+            self.placements.append((lib, tag, before, after, state))
+            for rec in res.values():
+                rec["placement"] = state
+        return res, rc, secs
+
+    def run_batch(self, lib, cases, tag, parity):
         logp = os.path.join(self.out, "logs", "%s.log" % lib)
         stem = os.path.join(self.out, "raw", "%s_%s" % (lib, tag))
         t0 = time.time()
@@ -631,7 +667,7 @@ def merge_rounds(recs):
     if not ok:
         return recs[0]
     if len(ok) == 1:
-        return ok[0]
+        return dict(ok[0], by_placement=by_placement(ok))
     out = dict(ok[0])
     out["median_s"] = statistics.median(r["median_s"] for r in ok)
     mins = [r["min_s"] for r in ok if r.get("min_s")]
@@ -645,7 +681,51 @@ def merge_rounds(recs):
     if means:
         out["gb_mean_s"] = statistics.median(means)
     out["rounds"] = len(ok)
+    out["by_placement"] = by_placement(ok)
     return out
+
+
+def by_placement(recs):
+    """{state: (median of the rounds' medians, rounds)} over the rounds that ran in one placement
+    of the CPUs throughout ('near' or 'far'; mixed and busy rounds left out)."""
+    out = {}
+    for state in ("near", "far"):
+        t = [r["median_s"] for r in recs if r.get("placement") == state]
+        if t:
+            out[state] = (statistics.median(t), len(t))
+    return out
+
+
+def matched(f, a):
+    """fbn's speedup over an anchor from two merged results, compared within one placement of the
+    CPUs: (speedup, state, fbn seconds, anchor seconds). The state is the one of the two (near,
+    far) in which both have rounds, the one with more rounds of the two libraries together where
+    both qualify; 'all' (medians over every round) where they share none."""
+    fp, ap = f.get("by_placement") or {}, a.get("by_placement") or {}
+    common = [st for st in ("near", "far") if st in fp and st in ap]
+    if common:
+        st = max(common, key=lambda x: fp[x][1] + ap[x][1])
+        return ap[st][0] / fp[st][0], st, fp[st][0], ap[st][0]
+    return a["median_s"] / f["median_s"], "all", f["median_s"], a["median_s"]
+
+
+def ok_result(r):
+    return r if r and r.get("status") == "ok" and r.get("median_s") else None
+
+
+def case_speedup(c, results, libs):
+    """{anchor: matched(...)} for every anchor with a result, and the best anchor (the one fbn is
+    least ahead of), or ({}, None) without an fbn result."""
+    f = ok_result(results.get(bc.bench_name("fbn", c)))
+    if not f:
+        return {}, None
+    vs = {}
+    for lib in libs:
+        a = ok_result(results.get(bc.bench_name(lib, c))) if lib != "fbn" else None
+        if a:
+            vs[lib] = matched(f, a)
+    best = min(vs, key=lambda lib: vs[lib][0]) if vs else None
+    return vs, best
 
 
 def alternate_rounds(runner, timed, cases_of, first, rounds, tag_of, round_recs, results):
@@ -673,19 +753,25 @@ def median_of(results, lib, c):
     return r["median_s"] if r and r.get("status") == "ok" and r.get("median_s") else None
 
 
-def close_call_libs(c, results, libs, band):
-    """For a case whose fbn median and best anchor median are within `band` of each other (either
-    way): the libraries to re-time (fbn and every anchor within `band` of fbn) and fbn's speedup.
-    (None, None) otherwise."""
-    f = median_of(results, "fbn", c)
-    anchors = {lib: median_of(results, lib, c) for lib in libs if lib != "fbn"}
-    anchors = {lib: t for lib, t in anchors.items() if t}
-    if not f or not anchors:
+# With the CPUs' placement probed, a case whose fbn and best anchor share no placement yet is a
+# close call within this wider band: its extra rounds may give them one.
+UNMATCHED_BAND = 1.5
+
+
+def close_call_libs(c, results, libs, band, placement=False):
+    """For a case where fbn and its best anchor are within `band` of each other (either way; the
+    speedup compared within one placement where they share one, see matched; UNMATCHED_BAND
+    where `placement` was probed and they share none): the libraries to re-time (fbn and every
+    anchor within the band of fbn) and fbn's speedup. (None, None) otherwise."""
+    vs, best = case_speedup(c, results, libs)
+    if not best:
         return None, None
-    speedup = min(anchors.values()) / f
+    speedup = vs[best][0]
+    if placement and vs[best][1] == "all":
+        band = max(band, UNMATCHED_BAND)
     if not (1.0 / band <= speedup <= band):
         return None, None
-    return ["fbn"] + [lib for lib in libs if lib in anchors and anchors[lib] <= band * f], speedup
+    return ["fbn"] + [lib for lib in libs if lib in vs and vs[lib][0] <= band], speedup
 
 
 def recheck_close_calls(args, runner, libs, chunks, results, round_recs):
@@ -702,7 +788,8 @@ def recheck_close_calls(args, runner, libs, chunks, results, round_recs):
     for i, chunk in enumerate(chunks):
         todo = {}
         for c in chunk:
-            who, speedup = close_call_libs(c, results, libs, args.recheck_band)
+            who, speedup = close_call_libs(c, results, libs, args.recheck_band,
+                                           bool(runner.placements))
             if not who:
                 continue
             before[bc.bench_name("fbn", c)] = speedup
@@ -754,18 +841,18 @@ def analyse(cases, results, copy, args, libs, parity):
     for c in cases:
         row = dict(c)
         row["min_traffic_bytes"] = bc.min_bytes(c)
-        best_lib, best_t = None, None
         for lib in libs:
-            r = results.get(bc.bench_name(lib, c))
-            row[lib] = r
-            if lib != "fbn" and r and r.get("status") == "ok" and r.get("median_s"):
-                if best_t is None or r["median_s"] < best_t:
-                    best_lib, best_t = lib, r["median_s"]
-        f = row.get("fbn")
-        row["best_anchor"], row["best_anchor_s"] = best_lib, best_t
-        fbn_t = f.get("median_s") if f and f.get("status") == "ok" else None
+            row[lib] = results.get(bc.bench_name(lib, c))
+        vs, best_lib = case_speedup(c, results, libs)
+        row["vs"] = vs
+        row["best_anchor"] = best_lib
+        row["best_anchor_s"] = row[best_lib]["median_s"] if best_lib else None
+        f = ok_result(row.get("fbn"))
+        fbn_t = f["median_s"] if f else None
         row["fbn_s"] = fbn_t
-        row["speedup"] = best_t / fbn_t if (best_t and fbn_t) else None
+        # Within one placement of the CPUs where fbn and the anchor share one (matched).
+        row["speedup"] = vs[best_lib][0] if best_lib else None
+        row["placement"] = vs[best_lib][1] if best_lib else None
         row["fbn_gbps"] = row["min_traffic_bytes"] / fbn_t / 1e9 if fbn_t else None
         row["fbn_share"] = row["fbn_gbps"] / ref_bw if (row["fbn_gbps"] and ref_bw) else None
         # Against a copy of the same tensor in the same rounds (it moves 2T, counted alike).
@@ -787,6 +874,11 @@ def fmt_t(r):
     return "%.1f" % us if us < 1000 else "%.0f" % us
 
 
+def fmt_s(t):
+    us = t * 1e6
+    return "%.1f" % us if us < 1000 else "%.0f" % us
+
+
 def report(rows, copy, args, libs, parity, versions, meta, out_dir):
     lines = []
     p = lines.append
@@ -805,11 +897,22 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
     recheck = meta.get("recheck")
     if recheck:
         p("close calls: the %d cases whose fbn and best-anchor medians were within %.2fx of each"
-          " other (either way) after those rounds got %d more rounds of fbn and of the anchors"
-          " within %.2fx of it, alternating alike; their medians are over all rounds" % (
-              len(recheck["speedup_before"]), recheck["band"], recheck["rounds"],
-              recheck["band"]))
+          " other (either way; %.2fx where they shared no placement of the CPUs) after those"
+          " rounds got %d more rounds of fbn and of the anchors within that of it, alternating"
+          " alike; their medians are over all rounds" % (
+              len(recheck["speedup_before"]), recheck["band"],
+              max(recheck["band"], UNMATCHED_BAND), recheck["rounds"]))
     p("versions: " + ", ".join("%s=%s" % kv for kv in sorted(versions.items())))
+    pl = meta.get("placement")
+    if pl:
+        p("placement of the 2 CPUs (placement_probe: cache-line round trip before and after each"
+          " library's batch; near < %g ns <= far): %d batches near (median %.0f ns), %d far"
+          " (%.0f ns), %d mixed or busy; speedups compare fbn and an anchor within one placement: %d"
+          " cases near, %d far, %d with none shared ('all': medians over every round)" % (
+              args.placement_split_ns, pl["near"], pl["near_ns"], pl["far"], pl["far_ns"],
+              pl["mixed"], sum(1 for r in rows if r.get("placement") == "near"),
+              sum(1 for r in rows if r.get("placement") == "far"),
+              sum(1 for r in rows if r.get("placement") == "all")))
     if copy:
         p("")
         p("Memory bandwidth (copy_bench, 2 threads, median; copy counts read+write bytes):")
@@ -913,8 +1016,7 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
     p("  same on fastest calls (min, robust to preemption on a shared machine): " +
       ", ".join(mins))
     p("  per anchor (all passes, warm+cold): " + ", ".join(
-        "%s %.2fx" % (a, geomean([r[a]["median_s"] / r["fbn_s"] for r in real
-                                  if r.get(a) and r[a].get("median_s") and r["fbn_s"]]))
+        "%s %.2fx" % (a, geomean([r["vs"][a][0] for r in real if a in r["vs"]]))
         for a in libs if a != "fbn"))
 
     behind = [r for r in rows if r["speedup"] is not None and r["speedup"] < 1.0]
@@ -931,10 +1033,14 @@ def report(rows, copy, args, libs, parity, versions, meta, out_dir):
           " to ahead and %d from ahead to behind (marked +r below: re-timed)" % (
               main_behind, len(flips), sum(1 for b, a in flips if b and not a),
               sum(1 for b, a in flips if a and not b)))
+    if behind:
+        p("  (times: medians of the rounds in the placement compared, shown last: near or far,"
+          " 'all' where fbn and the anchor shared none)")
     for r in sorted(behind, key=lambda r: r["speedup"]):
-        p("  %-26s %-10s %-4s %-4s %-4s fbn %9s us  %-9s %9s us  %.2fx%s" % (
-            r["id"][-26:], r["pass"], r["dtype"], r["layout"], r["cache"], fmt_t(r["fbn"]),
-            r["best_anchor"], fmt_t(r[r["best_anchor"]]), r["speedup"],
+        _, st, ft, at = r["vs"][r["best_anchor"]]
+        p("  %-26s %-10s %-4s %-4s %-4s fbn %9s us  %-9s %9s us  %.2fx %-4s%s" % (
+            r["id"][-26:], r["pass"], r["dtype"], r["layout"], r["cache"], fmt_s(ft),
+            r["best_anchor"], fmt_s(at), r["speedup"], st,
             " +r" if bc.bench_name("fbn", r) in before else ""))
     missing = [r for r in rows if r["fbn_s"] is None]
     if missing:
@@ -1104,7 +1210,7 @@ def write_csv(rows, libs, out_dir, meta, versions, copy, parity):
                     x.get("reps", ""), r["tensor_bytes"], r["min_traffic_bytes"],
                     "%.2f" % gbps if gbps else "",
                     "%.3f" % (gbps / copy["ref"]) if (gbps and copy and copy.get("ref")) else "",
-                    "%.3f" % (med / r["fbn_s"]) if (med and r["fbn_s"]) else "",
+                    "%.3f" % r["vs"][lib][0] if lib in r["vs"] else "",
                     int(lib == r["best_anchor"]), x.get("impl", ""),
                     par[0] if par else "", r.get("load1", ""), x.get("error", "")])
     path2 = os.path.join(out_dir, "cases.csv")
@@ -1113,7 +1219,7 @@ def write_csv(rows, libs, out_dir, meta, versions, copy, parity):
         w.writerow(["set", "case_id", "weight", "pass", "dtype", "layout", "cache",
                     "tensor_bytes"] + ["%s_us" % lib for lib in libs] +
                    ["best_anchor", "speedup", "fbn_gbps", "fbn_share_of_copy_bw", "copy_us",
-                    "fbn_share_of_paired_copy", "speedup_main_rounds"])
+                    "fbn_share_of_paired_copy", "speedup_main_rounds", "placement"])
         before = (meta.get("recheck") or {}).get("speedup_before", {})
         for r in rows:
             main = before.get(bc.bench_name("fbn", r))
@@ -1126,7 +1232,7 @@ def write_csv(rows, libs, out_dir, meta, versions, copy, parity):
                         "%.3f" % r["fbn_share"] if r["fbn_share"] else "",
                         "%.3f" % (r["copy_s"] * 1e6) if r.get("copy_s") else "",
                         "%.3f" % r["fbn_share_paired"] if r.get("fbn_share_paired") else "",
-                        "%.3f" % main if main else ""])
+                        "%.3f" % main if main else "", r.get("placement") or ""])
     return path, path2
 
 
@@ -1193,6 +1299,20 @@ def finish(args, meta, runner, libs, all_cases, results, copy, parity_cfg, refs,
     versions = dict(runner.versions)
     versions["fbn_git_at_run"] = meta["fbn_git_at_run"]
     versions["fbn_bench_built"] = meta["fbn_bench_built"]
+    pl = runner.placements
+    if pl:
+        ns_of = lambda st: [x for b in pl if b[4] == st for x in b[2:4]]  # noqa: E731
+        meta["placement"] = {
+            "near": sum(1 for b in pl if b[4] == "near"),
+            "far": sum(1 for b in pl if b[4] == "far"),
+            "mixed": sum(1 for b in pl if b[4] in ("mixed", "busy")),
+            "near_ns": statistics.median(ns_of("near")) if ns_of("near") else 0,
+            "far_ns": statistics.median(ns_of("far")) if ns_of("far") else 0,
+        }
+        with open(os.path.join(out_dir, "placement.csv"), "w") as f:
+            f.write("library,tag,round_trip_ns_before,round_trip_ns_after,state\n")
+            for b in pl:
+                f.write("%s,%s,%s,%s,%s\n" % b)
 
     if final:
         log("[4/4] report")
@@ -1259,6 +1379,12 @@ def parse_args(argv):
                     help="T(f32) above which a shape counts as DRAM-sized (default: sysfs L3)")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--no-copy", action="store_true")
+    ap.add_argument("--no-placement", action="store_true",
+                    help="do not probe where the host put the CPUs (placement_probe); every"
+                         " comparison then uses the medians over all rounds")
+    ap.add_argument("--placement-split-ns", type=float, default=250.0,
+                    help="CPU-pair cache-line round trips below this count as 'near' (one L3),"
+                         " above as 'far'")
     ap.add_argument("--timeout", type=int, default=0, help="seconds per library process")
     args = ap.parse_args(argv)
     for name, allowed in (("libs", ALL_LIBS), ("passes", bc.PASSES), ("dtypes", bc.DTYPES),
