@@ -748,11 +748,6 @@ def alternate_rounds(runner, timed, cases_of, first, rounds, tag_of, round_recs,
     return secs_of
 
 
-def median_of(results, lib, c):
-    r = results.get(bc.bench_name(lib, c))
-    return r["median_s"] if r and r.get("status") == "ok" and r.get("median_s") else None
-
-
 # With the CPUs' placement probed, a case whose fbn and best anchor share no placement yet is a
 # close call within this wider band: its extra rounds may give them one.
 UNMATCHED_BAND = 1.5
@@ -870,11 +865,11 @@ def fmt_t(r):
         return "-"
     if r.get("status") != "ok" or not r.get("median_s"):
         return "n/a" if r.get("status") == "unsupported" else "err"
-    us = r["median_s"] * 1e6
-    return "%.1f" % us if us < 1000 else "%.0f" % us
+    return fmt_s(r["median_s"])
 
 
 def fmt_s(t):
+    """Seconds as microseconds, one decimal below 1 ms."""
     us = t * 1e6
     return "%.1f" % us if us < 1000 else "%.0f" % us
 

@@ -1260,6 +1260,19 @@ HWY_INLINE bool StreamsShiftedPairs(D d, bool stream, int64_t C, int64_t c0, int
 }
 #endif
 
+// One element of the apply, y = (x - mean)·a + b, and of the backward apply,
+// dx = k2·(x - mean) + (k1·dy + k0), rounded as the vectors' MulAdd rounds them: the scalar heads
+// and tails must give the lanes' bits, as which elements a call writes one by one depends on
+// whether it streams.
+template <typename T, typename A>
+HWY_INLINE T ApplyOne(T x, A mean, A a, A b) {
+  return FromAcc<T>(std::fma(ToAcc(x) - mean, a, b));
+}
+template <typename T, typename A>
+HWY_INLINE T BackwardApplyOne(T dy, T x, A mean, A k1, A k2, A k0) {
+  return FromAcc<T>(std::fma(k2, ToAcc(x) - mean, std::fma(k1, ToAcc(dy), k0)));
+}
+
 // Channels-last: rows [r0, r1), channels [c0, c1).
 template <typename T>
 void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, int64_t r1,
@@ -1277,9 +1290,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   bool nt = stream && C % N == 0 && c0 % N == 0 && StreamAligned(d, y + r0 * C);
   // Outputs off a line (StreamShiftedRows): the elements outside the aligned vectors.
   const A* const coef[3] = {mean, a, b};
-  const auto apply_one = [&](int64_t e, int64_t c) {
-    return FromAcc<T>(std::fma(ToAcc(x[e]) - mean[c], a[c], b[c]));
-  };
+  const auto apply_one = [&](int64_t e, int64_t c) { return ApplyOne(x[e], mean[c], a[c], b[c]); };
   if (StreamsShifted(d, stream, nt, C, c0, c1, y + r0 * C)) {
     return StreamShiftedRows<3>(
         d, C, r0, r1, y, coef,
@@ -1355,8 +1366,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     for (int64_t r = r0; r < r1 && cv < c1; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      for (int64_t c = cv; c < c1; ++c)
-        yr[c] = FromAcc<T>(std::fma(ToAcc(xr[c]) - mean[c], a[c], b[c]));
+      for (int64_t c = cv; c < c1; ++c) yr[c] = ApplyOne(xr[c], mean[c], a[c], b[c]);
     }
     return;
   }
@@ -1401,7 +1411,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
         const auto v = hn::Sub(LoadAcc(d, xr + c), hn::LoadU(d, mean + c));
         StoreAcc(d, hn::MulAdd(v, hn::LoadU(d, a + c), hn::LoadU(d, b + c)), yr + c, nt);
       }
-      for (; c < t1; ++c) yr[c] = FromAcc<T>(std::fma(ToAcc(xr[c]) - mean[c], a[c], b[c]));
+      for (; c < t1; ++c) yr[c] = ApplyOne(xr[c], mean[c], a[c], b[c]);
     }
   }
 }
@@ -1523,7 +1533,7 @@ void ApplyPlanes(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, c
     const int64_t head = stream ? StreamHead(d, y + f) : -1;
     const bool nt = head >= 0 && head < end - f;
     if (nt) {
-      for (; i < f + head; ++i) y[i] = FromAcc<T>(std::fma(ToAcc(x[i]) - mean[c], a[c], b[c]));
+      for (; i < f + head; ++i) y[i] = ApplyOne(x[i], mean[c], a[c], b[c]);
     }
 #if FBN_BF16_PAIRS
     if constexpr (std::is_same_v<T, BFloat16>) {
@@ -1545,7 +1555,7 @@ void ApplyPlanes(const void* xv, int64_t C, int64_t S, int64_t f0, int64_t f1, c
         StoreAccN(d, hn::MulAdd(hn::Sub(LoadAccN(d, x + i, end - i), vm), va, vb), y + i, end - i);
       i = end;
     }
-    for (; i < end; ++i) y[i] = FromAcc<T>(std::fma(ToAcc(x[i]) - mean[c], a[c], b[c]));
+    for (; i < end; ++i) y[i] = ApplyOne(x[i], mean[c], a[c], b[c]);
     f = end;
   }
 }
@@ -2214,8 +2224,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   // Outputs off a line (StreamShiftedRows): the elements outside the aligned vectors.
   const A* const coef[4] = {mean, k1, k2, k0};
   const auto dx_one = [&](int64_t e, int64_t c) {
-    const A xc = ToAcc(x[e]) - mean[c];
-    return FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[e]), k0[c])));
+    return BackwardApplyOne(dy[e], x[e], mean[c], k1[c], k2[c], k0[c]);
   };
   if (StreamsShifted(d, stream, nt, C, c0, c1, dx + r0 * C)) {
     return StreamShiftedRows<4>(
@@ -2269,8 +2278,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
     for (int64_t r = r0; r < r1 && cv < c1; ++r) {
       const int64_t o = r * C;
       for (int64_t c = cv; c < c1; ++c) {
-        const A xc = ToAcc(x[o + c]) - mean[c];
-        dx[o + c] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[o + c]), k0[c])));
+        dx[o + c] = BackwardApplyOne(dy[o + c], x[o + c], mean[c], k1[c], k2[c], k0[c]);
       }
     }
     return;
@@ -2313,8 +2321,7 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
       StoreAcc(d, hn::MulAdd(hn::LoadU(d, k2 + c), xc, t), dx + o + c, nt);
     }
     for (; c < c1; ++c) {
-      const A xc = ToAcc(x[o + c]) - mean[c];
-      dx[o + c] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[o + c]), k0[c])));
+      dx[o + c] = BackwardApplyOne(dy[o + c], x[o + c], mean[c], k1[c], k2[c], k0[c]);
     }
   }
 }
@@ -2342,8 +2349,7 @@ void BackwardApplyPlanes(const void* dyv, const void* xv, int64_t C, int64_t S, 
     const int64_t head = stream ? StreamHead(d, dx + f) : -1;
     const bool nt = head >= 0 && head < end - f;
     auto scalar = [&](int64_t j) {
-      const A xc = ToAcc(x[j]) - mean[c];
-      dx[j] = FromAcc<T>(std::fma(k2[c], xc, std::fma(k1[c], ToAcc(dy[j]), k0[c])));
+      dx[j] = BackwardApplyOne(dy[j], x[j], mean[c], k1[c], k2[c], k0[c]);
     };
     if (nt) {
       for (; i < f + head; ++i) scalar(i);
