@@ -440,8 +440,10 @@ constexpr int kStripVectors = 4;
 // training gradient 15.5 -> 13.1 ms). In L2 they were slower (batch-1 14x14x256 and 14x14x512
 // bfloat16 training forward 1.1-1.18x), hence RowRead::kL2. The bfloat16 sums take six: their
 // pairs need more registers (eight measured 1.55x slower), six 0.79-0.96x (training gradient
-// 0.87-0.95x). Float statistics and apply and the backward apply (0.87-1.06x, 0.99-1.04x,
-// 0.95-1.04x) keep four.
+// 0.87-0.95x). Float statistics and apply and the backward apply measured 0.87-1.06x,
+// 0.99-1.04x and 0.95-1.04x then and kept four; later measurements gave the statistics of rows
+// of whole pages (ForEachStatsStrip) and the backward apply with regular stores
+// (BackwardApplyRows) eight.
 constexpr int kWideStripVectors =
     (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) ? 2 * kStripVectors : kStripVectors;
 // The bfloat16 sums' pair kernels hold more per vector: six where eight fit elsewhere.
@@ -2272,11 +2274,17 @@ void BackwardApplyRows(const void* dyv, const void* xv, int64_t C, int64_t c0, i
   }
 #endif
   if (!nt || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N))) {
-    // Strips with the coefficients in registers, as in ApplyRows.
+    // Strips with the coefficients in registers, as in ApplyRows. Float rows stored regularly
+    // take the wide strips: fewer passes down the rows of dy and x. Zen 4, training gradient,
+    // alternating calls in one process: 1x28x28x512 one thread 0.85x the time (two 0.97x),
+    // 1x14x14x1024 0.73-0.79x, 32x7x7x512 0.85x, 1x7x7x2048 0.86x warm and cold, 32x14x14x512
+    // cold 0.87x, 32x14x14x1024 0.95x; rows of 64-256 channels and DRAM-sized calls 0.97-1.01x.
+    // Streamed rows keep four (96x8x8x1280 and x2048 1.02x wide).
     const auto strip = [&](auto k, int64_t c) {
       StripBackwardApply<decltype(k)::value>(d, dy, x, C, c, r0, r1, mean, k1, k2, k0, dx, nt);
     };
-    const int64_t cv = ForEachStrip<kStripVectors>(d, c0, c1, strip);
+    const int64_t cv = sizeof(T) >= 4 && !nt ? ForEachStrip<kWideStripVectors>(d, c0, c1, strip)
+                                             : ForEachStrip<kStripVectors>(d, c0, c1, strip);
     if constexpr (kMaskedTails<T>) {
       if (cv < c1) {
         const int64_t n = c1 - cv;
