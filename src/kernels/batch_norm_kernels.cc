@@ -441,9 +441,9 @@ constexpr int kStripVectors = 4;
 // bfloat16 training forward 1.1-1.18x), hence RowRead::kL2. The bfloat16 sums take six: their
 // pairs need more registers (eight measured 1.55x slower), six 0.79-0.96x (training gradient
 // 0.87-0.95x). Float statistics and apply and the backward apply measured 0.87-1.06x,
-// 0.99-1.04x and 0.95-1.04x then and kept four; later measurements gave the statistics of rows
-// of whole pages (ForEachStatsStrip) and the backward apply with regular stores
-// (BackwardApplyRows) eight.
+// 0.99-1.04x and 0.95-1.04x then and kept four; later measurements gave eight to the statistics
+// of rows of whole pages (ForEachStatsStrip) and to the apply and backward apply with regular
+// stores (ApplyRows, BackwardApplyRows).
 constexpr int kWideStripVectors =
     (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) ? 2 * kStripVectors : kStripVectors;
 // The bfloat16 sums' pair kernels hold more per vector: six where eight fit elsewhere.
@@ -1367,7 +1367,13 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
     const auto strip = [&](auto k, int64_t c) {
       StripApply<decltype(k)::value>(d, x, C, c, r0, r1, mean, a, b, y, nt);
     };
-    const int64_t cv = ForEachStripFor<kApplyStripVectors<T>>(read, d, c0, c1, strip);
+    // Float rows stored regularly take the wide strips, as the backward apply does. Zen 4,
+    // alternating calls in one process, 2 threads: 32x28x28x128 inference 0.67x the time,
+    // training forward 0.75-0.80x; batch-1 7x7x2048 training forward (channel groups) 0.90x;
+    // 15 other ResNet-50 and GoogLeNet shapes 0.95-1.01x.
+    const int64_t cv = sizeof(T) >= 4 && !nt
+                           ? ForEachStrip<kWideStripVectors>(d, c0, c1, strip)
+                           : ForEachStripFor<kApplyStripVectors<T>>(read, d, c0, c1, strip);
     if constexpr (kMaskedTails<T>) {
       if (cv < c1) {
         const int64_t n = c1 - cv;
