@@ -405,7 +405,7 @@ HWY_INLINE int64_t BlockRows(int64_t channels, size_t elem_bytes, int tensors, R
   return rows < 64 ? 64 : (rows > 2048 ? 2048 : rows);
 }
 // Channels-last rows this narrow stream the frozen gradient's dx from strips (ReduceRows).
-constexpr int64_t kNarrowRowChannels = 128;
+constexpr int64_t kNarrowRowChannels = 192;
 constexpr int64_t kRunBlock = 4096;        // elements per block of a channels-first reduction
 constexpr int64_t kShortPlaneBytes = 256;  // channels-first planes read several channels at once
 constexpr int64_t kShortRunBytes = 2048;   // channels-first runs whose statistics prefetch ahead
@@ -1809,9 +1809,10 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   // cost more per byte on such short rows (warm, alternating calls, strips / row sweep, medians
   // of 2-4 rounds in three sessions: bfloat16 96x96x35x35 0.28-0.32x, 128x64x56x56 0.18-0.88x,
   // 32x128x56x56 0.63-0.82x, 96x128x35x35 0.89x; float 96x64x35x35 0.22-0.86x, 32x64x56x56
-  // 0.19-0.84x, 96x96x35x35 0.51-1.04x, 32x128x56x56 0.85-1.06x). Wider rows went either way
-  // (C = 256 at 51 MB 0.98-1.22x, 384-512 1.0-1.06x) and keep the row sweep, as do tensors of
-  // 64 MB and more (96x80x73x73 bfloat16, 82 MB: 0.97-1.13x).
+  // 0.19-0.84x, 96x96x35x35 0.51-1.04x, 32x128x56x56 0.85-1.06x), and so did 160 and 192
+  // channels (float 96x160x17x17 0.73x, 96x192x17x17 0.72x warm, 0.78x cold). Wider rows lost
+  // (256 channels 1.2-1.4x at 26 and 51 MB, 1024-2048 1.2x, 512 1.0-1.06x) and keep the row
+  // sweep, as do tensors of 64 MB and more (96x80x73x73 bfloat16, 82 MB: 0.97-1.13x).
   const bool narrow_rows = read == RowRead::kDram && C <= kNarrowRowChannels;
   const bool row_sweep = nt && read != RowRead::kL3 && read != RowRead::kFlushed && !narrow_rows;
   const bool strip_nt =
