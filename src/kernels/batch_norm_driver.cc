@@ -422,8 +422,6 @@ constexpr int64_t kMinRowsPerTask = 64;
 constexpr int64_t kGroupChannels = 64;
 constexpr int64_t kGroupRows = 256;
 constexpr double kGroupTasks = 4;
-// Rows this long map a strip's lines down the rows to a few L1 sets (kPageBytes in the kernels).
-constexpr int64_t kPageRowBytes = 4096;
 
 // `fused`: the caller finishes each channel group in its task (FuseChannelGroups); then short
 // tensors take channel groups over all rows too. The separate reductions keep row ranges there:
@@ -637,7 +635,7 @@ namespace {
 // probe can never change a result.
 RowRead StatsRead(const Geometry& g, size_t es, int threads, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 2, true, threads);
-  const bool dram = read == RowRead::kDram && (g.c * static_cast<int64_t>(es)) % 4096 != 0;
+  const bool dram = read == RowRead::kDram && (g.c * static_cast<int64_t>(es)) % kPageBytes != 0;
   if (!g.channels_last || g.n * g.s < 2 * kMinRowsPerTask ||
       (read != RowRead::kL2 && read != RowRead::kL3 && !dram)) {
     return read;
@@ -1466,7 +1464,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
   // take the apply's row-order tiles instead of strips, whose lines down such rows share a few
   // L1 sets (Zen 4, one thread, batch-1 7x7x2048 float 37 -> 28 us). Narrower rows keep their
   // groups (7x7x512 5.3 us as groups, 6.2 as one). Statistics are per channel: same results.
-  const bool whole_rows = threads == 1 && C * static_cast<int64_t>(es) >= kPageRowBytes;
+  const bool whole_rows = threads == 1 && C * static_cast<int64_t>(es) >= kPageBytes;
   const int64_t groups = whole_rows ? 1 : p.groups, width = whole_rows ? C : p.width;
   threading::ParallelFor(groups, threads, [&](int64_t t) {
     const int64_t c0 = t * width, c1 = std::min(C, c0 + width);

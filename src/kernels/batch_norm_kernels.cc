@@ -387,8 +387,6 @@ HWY_INLINE MergeWeights WeightsFor(double count, double nb) {
 // time, float 32x14x14x1024, 128x14x14x1024 and 128x7x7x2048 0.90-0.93x; training forward
 // 0.85-0.97x). In cache the same blocks were 1.11-1.18x slower, and the gradient's two-tensor
 // sums gained nothing (0.98-1.02x).
-// Rows a whole number of pages apart map a strip's lines to the same few L1 sets.
-constexpr int64_t kPageBytes = 4096;
 // Rows of whole multiples of this many bytes put a strip's lines in the same few L1 sets too
 // (ApplyRows).
 constexpr int64_t kTileRowBytes = 2048;

@@ -8,6 +8,10 @@
 
 namespace fbn::kernels {
 
+// Channels-last rows a whole number of pages apart map a strip's lines down the rows to the
+// same few L1 sets; the kernels and the driver's read and partition rules both test for it.
+constexpr int64_t kPageBytes = 4096;
+
 // Where a channels-last kernel's rows come from, decided by the driver from the tensor's size
 // (and, for kFlushed, from the cache probe).
 enum class RowRead : uint8_t {
