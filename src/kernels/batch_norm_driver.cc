@@ -970,9 +970,16 @@ constexpr int64_t kFlatAlign = 64;
 // call's input was not in cache at its start (`probe`, before anything read it). Its output is
 // not cached then either, and the regular stores of bfloat16 strips from L3 would fetch every
 // output line first (96x35x35x48 inference, operands flushed: 1.28x the row-order stream).
+// kFlushed when such a call keeps regular stores (16-bit outputs under kProbeRowOrder16Bytes):
+// its rows then go in row order, which the prefetchers follow from DRAM.
 RowRead ApplyRead(const Geometry& g, size_t es, int threads, bool stream, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 2, false, threads);
-  return read == RowRead::kL3 && stream && !probe.InCoreCache() ? RowRead::kDram : read;
+  if (read == RowRead::kL3 && stream && !probe.InCoreCache()) return RowRead::kDram;
+  if (!stream && (read == RowRead::kL2 || read == RowRead::kL3) &&
+      InputFromMemory(g, static_cast<double>(es), probe)) {
+    return RowRead::kFlushed;
+  }
+  return read;
 }
 
 // Where the gradients' channels-last reductions read their rows: as RowReadOf, but kFlushed when
@@ -989,8 +996,7 @@ RowRead ApplyRead(const Geometry& g, size_t es, int threads, bool stream, InputP
 // alternating in one process, warm and cold, 0.75-0.97x the time on 160-2048 channels
 // (32x28x28x512 bfloat16 0.75-0.82x, 32x28x28x256 float 0.79-0.85x, 128x14x14x256 float
 // 0.81-0.87x, 96x17x17x384 0.77-0.89x); 128 channels 0.93-1.0x, and 48-96 float channels
-// 1.05-1.09x slower. Prefetches change no value.
-constexpr int64_t kNarrowSumChannels = 128;
+// 1.05-1.09x slower (kNarrowSumChannels). Prefetches change no value.
 
 RowRead ReductionRead(const Geometry& g, size_t es, bool frozen, int threads, InputProbe& probe) {
   const RowRead read = RowReadOf(g, es, 3, !frozen, threads);

@@ -1355,10 +1355,17 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // in one process (0.82-0.96x) but lost in fbn_bench and in a full run (32x7x7x512 training
   // gradient 1.1-1.6x), so it keeps the strips.
   const int64_t row_bytes = C * static_cast<int64_t>(sizeof(T));
+  // Rows not in cache, stored regularly (the driver's ApplyRead: 16-bit outputs too small to
+  // stream), go in row order: strips down the rows read each from DRAM a few lines at a time,
+  // which the prefetchers follow poorly. bfloat16 1x14x14x1024 inference, operands flushed,
+  // old / new fbn_bench alternating: 33.6 -> 26.6 us; 1x7x7x512 0.94x, 1x28x28x256 and
+  // 1x28x28x128 1.0x.
+  const bool flushed_rows = read == RowRead::kFlushed && !nt;
   const bool tiled_rows =
       sizeof(T) >= 4 && !nt &&
       (row_bytes == kPageBytes || (row_bytes % kTileRowBytes == 0 && c0 == 0 && c1 == C));
-  if (!tiled_rows && (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
+  if (!tiled_rows && !flushed_rows &&
+      (!nt || l3_strips || (sizeof(T) >= 4 && !FloatRowsStreamInRowOrder(C, N)))) {
     // Strips with the coefficients in registers: wide rows (2048 channels) would otherwise
     // reload three per-channel arrays that, with the rows, overflow L1; and streaming float rows
     // in row order measured 1.35x slower (Xeon, 32x56x56x256, two threads) than strip by strip.
@@ -1395,7 +1402,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
   // stores) and 20% slower (whole pairs, 32x56x56x256 bfloat16).
 #if FBN_BF16_PAIRS
   if constexpr (std::is_same_v<T, BFloat16>) {
-    if (PairsStream(d, C, c0, y + r0 * C)) {
+    if (flushed_rows ? (c1 - c0) % (2 * N) == 0 : PairsStream(d, C, c0, y + r0 * C)) {
       const int64_t width = c1 - c0;
       const float* arrays[3] = {mean, a, b};
       const float* sp = SplitCoefficients(d, arrays, 3, c0, width);
@@ -1414,7 +1421,7 @@ void ApplyRows(const void* xv, int64_t C, int64_t c0, int64_t c1, int64_t r0, in
               hn::MulAdd(hn::Sub(ev, hn::LoadU(d, m)), hn::LoadU(d, f), hn::LoadU(d, g));
           const auto yo = hn::MulAdd(hn::Sub(od, hn::LoadU(d, m + N)), hn::LoadU(d, f + N),
                                      hn::LoadU(d, g + N));
-          StorePairBits(du, BF16PairBits(d, ye, yo), y + o + c, true);
+          StorePairBits(du, BF16PairBits(d, ye, yo), y + o + c, nt);
         }
       }
       return;
@@ -1719,7 +1726,7 @@ HWY_INLINE void StripReduce(D d, const T* dy, const T* x, int64_t C, int64_t c, 
 // gradients, calls alternating in one process (Zen 4, 2 threads), pairs / generic sweep:
 // 32x28x28x512, 128x14x14x512, 128x14x14x1024 and 128x7x7x2048 0.74-0.76x the time,
 // 32x56x56x256 0.82x, 96x17x17x384 0.84-0.85x (warm and cold), 96x71x71x192 0.92x.
-template <class D>
+template <bool kDx, class D>
 HWY_INLINE void ReducePairRows(D d, const BFloat16* dy, const BFloat16* x, int64_t C, int64_t c0,
                                int64_t c1, int64_t b0, int64_t b1, const float* split, BFloat16* dx,
                                float* s, float* t) {
@@ -1740,15 +1747,17 @@ HWY_INLINE void ReducePairRows(D d, const BFloat16* dy, const BFloat16* x, int64
     so = hn::Add(so, go);
     te = hn::MulAdd(ge, hn::Sub(xe, hn::LoadU(d, m)), te);
     to = hn::MulAdd(go, hn::Sub(xo, hn::LoadU(d, m + N)), to);
-    StorePairBits(du,
-                  BF16PairBits(d, hn::Mul(ge, hn::LoadU(d, k)), hn::Mul(go, hn::LoadU(d, k + N))),
-                  dx + o + c, true);
+    if constexpr (kDx) {
+      StorePairBits(du,
+                    BF16PairBits(d, hn::Mul(ge, hn::LoadU(d, k)), hn::Mul(go, hn::LoadU(d, k + N))),
+                    dx + o + c, true);
+    }
   };
   // `k` rows from row r: each pair's sums loaded once, updated k times, stored once.
   const auto rows_from = [&](auto k, int64_t r) {
     for (int64_t c = c0; c < c1; c += 2 * N) {
       const float* m = split + (c - c0);
-      const float* kc = split + width + (c - c0);
+      const float* kc = kDx ? split + width + (c - c0) : nullptr;
       auto se = hn::LoadU(d, s + c), so = hn::LoadU(d, s + c + N);
       auto te = hn::LoadU(d, t + c), to = hn::LoadU(d, t + c + N);
       for (int j = 0; j < decltype(k)::value; ++j) row((r + j) * C, c, m, kc, se, so, te, to);
@@ -1812,7 +1821,18 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
   // (256 channels 1.2-1.4x at 26 and 51 MB, 1024-2048 1.2x, 512 1.0-1.06x) and keep the row
   // sweep, as do tensors of 64 MB and more (96x80x73x73 bfloat16, 82 MB: 0.97-1.13x).
   const bool narrow_rows = read == RowRead::kDram && C <= kNarrowRowChannels;
-  const bool row_sweep = nt && read != RowRead::kL3 && read != RowRead::kFlushed && !narrow_rows;
+  // The training gradient's sums (no dx) of rows not in cache (kFlushed) over kNarrowSumChannels
+  // sweep rows in order too, the block sums in L1 (same operations per lane, so the same bits):
+  // strips read each row a few lines at a time, which the prefetchers follow poorly from DRAM
+  // even with software prefetches. Float training gradients, operands flushed, old / new
+  // fbn_bench alternating (Zen 4, 2 threads): 1x28x28x256, 1x28x28x512, 1x56x56x256 0.74-0.83x
+  // the time, 32x7x7x512, 128x7x7x512, 96x8x8x384 0.79-0.94x (noisier), 32x14x14x256
+  // 0.88-1.0x; bfloat16 with pairs: 32x14x14x256, 96x17x17x192, 32x7x7x512 0.92-0.95x. Rows of
+  // 128 channels and fewer gained nothing or lost (bfloat16 96x35x35x64 1.04-1.15x); calls in
+  // cache and batch-1 rows of 7x7 and 14x14 were level.
+  const bool sums_sweep = !k1 && read == RowRead::kFlushed && C > kNarrowSumChannels;
+  const bool row_sweep =
+      sums_sweep || (nt && read != RowRead::kL3 && read != RowRead::kFlushed && !narrow_rows);
   const bool strip_nt =
       nt && !row_sweep && (!std::is_same_v<T, BFloat16> || PairsStream(d, C, c0, dx + r0 * C));
   // dx asked to stream but not aligned (StreamShiftedRows): the strips take the sums alone, and
@@ -1831,12 +1851,12 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
 #if FBN_BF16_PAIRS
   // bfloat16 row sweeps of whole pairs take ReducePairRows.
   const bool pair_sweep = std::is_same_v<T, BFloat16> && row_sweep && (c1 - c0) % (2 * N) == 0 &&
-                          PairsStream(d, C, c0, dx + r0 * C);
+                          (sums_sweep || PairsStream(d, C, c0, dx + r0 * C));
   const float* split = nullptr;
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (pair_sweep) {
       const float* arrays[2] = {mean, k1};
-      split = SplitCoefficients(d, arrays, 2, c0, c1 - c0);
+      split = SplitCoefficients(d, arrays, k1 ? 2 : 1, c0, c1 - c0);
     }
   }
 #else
@@ -1848,7 +1868,11 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
     if (pair_sweep) {
 #if FBN_BF16_PAIRS
       if constexpr (std::is_same_v<T, BFloat16>) {
-        ReducePairRows(d, dy, x, C, c0, c1, b0, b1, split, dx, s, t);
+        if (sums_sweep) {
+          ReducePairRows<false>(d, dy, x, C, c0, c1, b0, b1, split, dx, s, t);
+        } else {
+          ReducePairRows<true>(d, dy, x, C, c0, c1, b0, b1, split, dx, s, t);
+        }
       }
 #endif
     } else if (row_sweep) {
@@ -1858,31 +1882,42 @@ void ReduceRows(const void* dyv, const void* xv, int64_t C, int64_t c0, int64_t 
       // Rows of 4 KB and more load and store the sums once per two rows (same operations per
       // lane, so the same bits): frozen float gradients alternating in one process, 128x7x7x2048
       // 0.81-0.84x the time warm and cold, 32x14x14x1024 0.88x, 128x14x14x1024 0.95x.
-      int64_t r = b0;
-      if (C * static_cast<int64_t>(sizeof(T)) >= kPageBytes) {
-        for (; r + 2 <= b1; r += 2) {
-          const int64_t o = r * C;
-          for (int64_t c = c0; c < cv; c += N) {
-            const auto m = hn::LoadU(d, mean + c), k = hn::LoadU(d, k1 + c);
-            const auto g0 = LoadAcc(d, dy + o + c), g1 = LoadAcc(d, dy + o + C + c);
-            const auto x0 = hn::Sub(LoadAcc(d, x + o + c), m);
-            const auto x1 = hn::Sub(LoadAcc(d, x + o + C + c), m);
-            hn::StoreU(hn::Add(hn::Add(hn::LoadU(d, s + c), g0), g1), d, s + c);
-            hn::StoreU(hn::MulAdd(g1, x1, hn::MulAdd(g0, x0, hn::LoadU(d, t + c))), d, t + c);
-            StoreAcc(d, hn::Mul(g0, k), dx + o + c, true);
-            StoreAcc(d, hn::Mul(g1, k), dx + o + C + c, true);
+      const auto sweep = [&](auto with_dx) {
+        constexpr bool kDx = decltype(with_dx)::value;
+        int64_t r = b0;
+        if (C * static_cast<int64_t>(sizeof(T)) >= kPageBytes) {
+          for (; r + 2 <= b1; r += 2) {
+            const int64_t o = r * C;
+            for (int64_t c = c0; c < cv; c += N) {
+              const auto m = hn::LoadU(d, mean + c);
+              const auto g0 = LoadAcc(d, dy + o + c), g1 = LoadAcc(d, dy + o + C + c);
+              const auto x0 = hn::Sub(LoadAcc(d, x + o + c), m);
+              const auto x1 = hn::Sub(LoadAcc(d, x + o + C + c), m);
+              hn::StoreU(hn::Add(hn::Add(hn::LoadU(d, s + c), g0), g1), d, s + c);
+              hn::StoreU(hn::MulAdd(g1, x1, hn::MulAdd(g0, x0, hn::LoadU(d, t + c))), d, t + c);
+              if constexpr (kDx) {
+                const auto k = hn::LoadU(d, k1 + c);
+                StoreAcc(d, hn::Mul(g0, k), dx + o + c, true);
+                StoreAcc(d, hn::Mul(g1, k), dx + o + C + c, true);
+              }
+            }
           }
         }
-      }
-      for (; r < b1; ++r) {
-        const int64_t o = r * C;
-        for (int64_t c = c0; c < cv; c += N) {
-          const auto g = LoadAcc(d, dy + o + c);
-          const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
-          hn::StoreU(hn::Add(hn::LoadU(d, s + c), g), d, s + c);
-          hn::StoreU(hn::MulAdd(g, xc, hn::LoadU(d, t + c)), d, t + c);
-          StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c, true);
+        for (; r < b1; ++r) {
+          const int64_t o = r * C;
+          for (int64_t c = c0; c < cv; c += N) {
+            const auto g = LoadAcc(d, dy + o + c);
+            const auto xc = hn::Sub(LoadAcc(d, x + o + c), hn::LoadU(d, mean + c));
+            hn::StoreU(hn::Add(hn::LoadU(d, s + c), g), d, s + c);
+            hn::StoreU(hn::MulAdd(g, xc, hn::LoadU(d, t + c)), d, t + c);
+            if constexpr (kDx) StoreAcc(d, hn::Mul(g, hn::LoadU(d, k1 + c)), dx + o + c, true);
+          }
         }
+      };
+      if (sums_sweep) {
+        sweep(std::false_type());
+      } else {
+        sweep(std::true_type());
       }
     } else {
       const auto strip = [&](auto k, int64_t c) {

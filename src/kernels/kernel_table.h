@@ -12,6 +12,10 @@ namespace fbn::kernels {
 // same few L1 sets; the kernels and the driver's read and partition rules both test for it.
 constexpr int64_t kPageBytes = 4096;
 
+// Channels-last gradient sums of rows up to this many channels gained nothing from reading ahead
+// or in row order; the driver's read rule and ReduceRows both test for it.
+constexpr int64_t kNarrowSumChannels = 128;
+
 // Where a channels-last kernel's rows come from, decided by the driver from the tensor's size
 // (and, for kFlushed, from the cache probe).
 enum class RowRead : uint8_t {
@@ -20,8 +24,9 @@ enum class RowRead : uint8_t {
   kDram,      // larger than the last-level cache keeps: rows come from DRAM
   kPrefetch,  // from DRAM, and software prefetches of the next block help
   kFlushed,   // rows not in cache although they could be (the probe), or, for statistics, from
-              // DRAM beyond the L3. reduce_rows: kL3's strips with kPrefetch's prefetches;
-              // stats_rows: kL3's blocks, the first pass in row order
+              // DRAM beyond the L3. reduce_rows: kL3's strips with kPrefetch's prefetches (sums
+              // alone of rows over kNarrowSumChannels: rows in order); stats_rows: kL3's
+              // blocks, the first pass in row order; apply_rows storing regularly: row order
 };
 
 struct KernelEntry {

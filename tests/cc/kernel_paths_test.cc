@@ -33,11 +33,9 @@ bool SameDoubles(const std::vector<double>& a, const std::vector<double>& b) {
 // The store tests' runs: the regular-store strips first (the reference), then a streaming call
 // for each level the rows may come from.
 constexpr std::pair<fbn::kernels::RowRead, bool> kStoreRuns[] = {
-    {fbn::kernels::RowRead::kL3, false},
-    {fbn::kernels::RowRead::kL2, true},
-    {fbn::kernels::RowRead::kL3, true},
-    {fbn::kernels::RowRead::kDram, true},
-    {fbn::kernels::RowRead::kFlushed, true}};
+    {fbn::kernels::RowRead::kL3, false},     {fbn::kernels::RowRead::kL2, true},
+    {fbn::kernels::RowRead::kL3, true},      {fbn::kernels::RowRead::kDram, true},
+    {fbn::kernels::RowRead::kFlushed, true}, {fbn::kernels::RowRead::kFlushed, false}};
 
 // An output buffer `offset` bytes past a 64-byte boundary (0: aligned, so that streaming stores
 // do run), filled with 0x7f.
@@ -310,45 +308,50 @@ TEST(RowStatsTest, StatisticsSameForEveryReadHint) {
   }
 }
 
-// The gradient sums take wider strips from beyond L2 too: the same bits either way, with and
-// without dx written in the same sweep (the frozen gradient).
+// The gradient sums take wider strips from beyond L2 too, and the sums alone of flushed rows
+// over 128 channels a row-order sweep (bfloat16: in pairs where the range is whole pairs, 256):
+// the same bits either way, with and without dx written in the same sweep (the frozen gradient).
 TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
   using fbn::kernels::RowRead;
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
-    const int64_t C = 200, rows = 150;  // 12.5 vectors of float: wide, narrow and masked strips
-    std::mt19937 rng(13);
-    const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
-    const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
-    const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
-    const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
-    const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
-    for (bool frozen : {false, true}) {
-      SCOPED_TRACE(DTypeTag(t) + (frozen ? " frozen" : " sums only"));
-      // Rows [0, r1) of `rows`: the prefetching hints also fetch rows past r1 (the next task's).
-      const int64_t r1 = rows - 70;
-      const RowRead reads[] = {RowRead::kL2, RowRead::kL3, RowRead::kPrefetch, RowRead::kFlushed};
-      std::vector<double> s_dy[4], s_dyxc[4];
-      std::vector<HostTensor> dx;
-      for (int i = 0; i < 4; ++i) {
-        SCOPED_TRACE("read hint " + std::to_string(static_cast<int>(reads[i])));
-        std::vector<double> tmp(2 * C);
-        s_dy[i].resize(C);
-        s_dyxc[i].resize(C);
-        dx.emplace_back(t, Shape{rows * C});
-        dx[i].FillBytes(0);
-        entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, r1, rows, mean.data(), s_dy[i].data(),
-                          s_dyxc[i].data(), frozen ? k1.data() : nullptr,
-                          frozen ? dx[i].data() : nullptr, tmp.data(), false, reads[i]);
-        if (i == 0) continue;
-        EXPECT_TRUE(SameDoubles(s_dy[0], s_dy[i])) << "sum dy";
-        EXPECT_TRUE(SameDoubles(s_dyxc[0], s_dyxc[i])) << "sum dy(x - m)";
-        EXPECT_TRUE(dx[0].BytesEqual(dx[i])) << "dx";
-      }
-      // And the sums are the sums.
-      for (int64_t c = 0; c < C; c += 37) {
-        double ref = 0;
-        for (int64_t r = 0; r < r1; ++r) ref += dy.Get(r * C + c);
-        EXPECT_NEAR(s_dy[0][c], ref, 1e-4) << "channel " << c;
+    // 200: 12.5 vectors of float: wide, narrow and masked strips.
+    for (const int64_t C : {200, 256, 64}) {
+      SCOPED_TRACE("C " + std::to_string(C));
+      const int64_t rows = 150;
+      std::mt19937 rng(13);
+      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
+      const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
+      const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
+      const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+      const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
+      for (bool frozen : {false, true}) {
+        SCOPED_TRACE(DTypeTag(t) + (frozen ? " frozen" : " sums only"));
+        // Rows [0, r1) of `rows`: the prefetching hints also fetch rows past r1 (the next task's).
+        const int64_t r1 = rows - 70;
+        const RowRead reads[] = {RowRead::kL2, RowRead::kL3, RowRead::kPrefetch, RowRead::kFlushed};
+        std::vector<double> s_dy[4], s_dyxc[4];
+        std::vector<HostTensor> dx;
+        for (int i = 0; i < 4; ++i) {
+          SCOPED_TRACE("read hint " + std::to_string(static_cast<int>(reads[i])));
+          std::vector<double> tmp(2 * C);
+          s_dy[i].resize(C);
+          s_dyxc[i].resize(C);
+          dx.emplace_back(t, Shape{rows * C});
+          dx[i].FillBytes(0);
+          entry.reduce_rows(dy.data(), x.data(), C, 0, C, 0, r1, rows, mean.data(), s_dy[i].data(),
+                            s_dyxc[i].data(), frozen ? k1.data() : nullptr,
+                            frozen ? dx[i].data() : nullptr, tmp.data(), false, reads[i]);
+          if (i == 0) continue;
+          EXPECT_TRUE(SameDoubles(s_dy[0], s_dy[i])) << "sum dy";
+          EXPECT_TRUE(SameDoubles(s_dyxc[0], s_dyxc[i])) << "sum dy(x - m)";
+          EXPECT_TRUE(dx[0].BytesEqual(dx[i])) << "dx";
+        }
+        // And the sums are the sums.
+        for (int64_t c = 0; c < C; c += 37) {
+          double ref = 0;
+          for (int64_t r = 0; r < r1; ++r) ref += dy.Get(r * C + c);
+          EXPECT_NEAR(s_dy[0][c], ref, 1e-4) << "channel " << c;
+        }
       }
     }
   }
