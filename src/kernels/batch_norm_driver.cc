@@ -108,28 +108,32 @@ RowRead RowReadOf(const Geometry& g, size_t elem_bytes, int tensors, bool reads_
 // - Forward passes (x in, y out) up to 0.8 of it: float 12.8 MB tensors 1.1-2.1x faster
 //   (32x28x28x128 inference 466 -> 241 us, 96x8x8x384 training 467 -> 283, NCHW 32x512x14x14
 //   inference 467 -> 220), bfloat16 32x56x56x64 inference 476 -> 236. At 0.85 of it
-//   (96x17x17x128 float, 28.4 MB touched) the training forward lost 693 -> 854.
+//   (96x17x17x128 float, 28.4 MB touched) the training forward lost 693 -> 854 then; since the
+//   wider strips it gains (below).
 // - Gradients (x and dy in, dx out) up to 0.6 of it: 32x256x14x14 float 1.15-1.9x faster
 //   (NCHW frozen 315 -> 166 us), bfloat16 32x28x28x128 training 400 -> 307; at 0.7 and more
 //   (96x8x8x320 float, 23.6 MB) the frozen gradient lost 302 -> 369.
 // - 16-bit rows of more than 512 channels keep half: with regular stores beyond it bfloat16
 //   32x14x14x1024 training forward lost 857 -> 1092 us and 32x7x7x2048 frozen gradient 321 ->
 //   392 (the same split by channel count showed when such tensors kept the whole L3).
-// - Channels-last inference (`one_sweep`: x read once, y written) of rows up to
-//   kKeepRowChannels: up to 1.1 of it for float and 1.6 for 16-bit types, where a steady run keeps
-//   y in the L3 beside x (fbn_bench, warm, 3-6 rounds, 0.8 / new): bfloat16 96x35x35x64 280-557
-//   -> 220-328 us (oneDNN 274-420), 96x35x35x96 824-852 -> 603-813, 32x56x56x128 0.97-0.99x;
-//   float 96x17x17x128 266-523 -> 191-317 (oneDNN 264-519), 96x17x17x160 0.84x, 96x35x35x32
-//   0.67x. Float at 1.5 of it lost (96x35x35x64 560 -> 675-949 with regular stores), and so
-//   did wider bfloat16 rows at 1.6 (96x17x17x384 1.47x, 32x14x14x1024 1.38-1.66x). The probe
-//   still streams calls whose input is not in cache; a call whose input is cached but whose
-//   output is not pays for reading y's lines first (1.5-1.8x the op's time, calls alternating
-//   with streamed ones), and leaves y in the L3 for its reader. The frozen gradient (one sweep
-//   too, three tensors) lost at 1.2 and 1.6 of it (96x8x8x448 float 463-578 -> 589-932 us).
+// - Channels-last forward passes of rows up to kKeepRowChannels: up to 1.1 of it for float and
+//   1.6 for 16-bit types, where a steady run keeps y in the L3 beside x (fbn_bench, warm, 3-6
+//   rounds, 0.8 / new). Inference: bfloat16 96x35x35x64 280-557 -> 220-328 us (oneDNN
+//   274-420), 96x35x35x96 824-852 -> 603-813, 32x56x56x128 0.97-0.99x; float 96x17x17x128
+//   266-523 -> 191-317 (oneDNN 264-519), 96x17x17x160 0.84x, 96x35x35x32 0.67x. Training
+//   forward: bfloat16 96x35x35x64 0.64x (oneDNN 725 us, fbn 864 -> 556), 96x35x35x96 0.83x,
+//   32x56x56x128 0.91x; float 96x35x35x32 0.61x, 96x17x17x128 0.64x, 96x17x17x160 0.81x.
+//   Float at 1.5 of it lost (96x35x35x64 inference 560 -> 675-949 with regular stores), and so
+//   did wider bfloat16 rows at 1.6 (inference 96x17x17x384 1.47x, 32x14x14x1024 1.38-1.66x).
+//   The probe still streams calls whose input is not in cache; a call whose input is cached but
+//   whose output is not pays for reading y's lines first (inference 1.5-1.8x the op's time,
+//   calls alternating with streamed ones), and leaves y in the L3 for its reader. The frozen
+//   gradient (one sweep, three tensors) lost at 1.2 and 1.6 of it (96x8x8x448 float 463-578 ->
+//   589-932 us).
 constexpr int64_t kKeepRowChannels = 192;
 
-double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors, bool one_sweep) {
-  if (one_sweep && g.channels_last && g.c <= kKeepRowChannels) return elem_bytes < 4 ? 1.6 : 1.1;
+double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors) {
+  if (tensors == 2 && g.channels_last && g.c <= kKeepRowChannels) return elem_bytes < 4 ? 1.6 : 1.1;
   if (elem_bytes < 4) {
     if (!g.channels_last) return 0.0;
     if (g.c > 512) return 0.5;
@@ -137,13 +141,11 @@ double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors, bool one_s
   return tensors <= 2 ? 0.8 : 0.6;
 }
 
-// `one_sweep`: the call reads its input once and writes its output (inference).
-bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads, bool one_sweep) {
+bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads) {
   const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
                          static_cast<double>(elem_bytes);
-  const double retained =
-      std::max(static_cast<double>(threads) * L2Bytes(),
-               VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors, one_sweep));
+  const double retained = std::max(static_cast<double>(threads) * L2Bytes(),
+                                   VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors));
   return touched > retained;
 }
 
@@ -412,12 +414,11 @@ constexpr int64_t kColdStreamPlaneBytes = 1024;
 // the input in cache, the usual case when the previous layer has just written it, the output
 // stays in cache for the next layer (streaming it doubles the time).
 bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads,
-                  double probe_bytes, InputProbe& probe, bool short_planes = false,
-                  bool one_sweep = false) {
+                  double probe_bytes, InputProbe& probe, bool short_planes = false) {
   const int64_t es = static_cast<int64_t>(elem_bytes);
   const int64_t min_plane = short_planes ? kStreamLinePlaneBytes : kStreamPlaneBytes;
   if (!g.channels_last && g.s * es < min_plane) return false;
-  if (StreamOutput(g, elem_bytes, tensors, threads, one_sweep)) return true;
+  if (StreamOutput(g, elem_bytes, tensors, threads)) return true;
   const double bytes = static_cast<double>(g.elements() * es);
   if (bytes < probe_bytes) return false;
   if (!g.channels_last && g.s * es < kColdStreamPlaneBytes) return false;
@@ -1057,8 +1058,7 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
   }
   InputProbe probe(g, es, x);
   const int threads = CallThreads(g, es, 2, probe);
-  const bool stream =
-      StreamStores(g, es, 2, threads, ProbeBytesOneSweep(es, false), probe, false, true);
+  const bool stream = StreamStores(g, es, 2, threads, ProbeBytesOneSweep(es, false), probe);
   if (getenv("FBN_DBG"))
     fprintf(stderr, "thr %d stream %d cached %d read %d\n", threads, stream, probe.InCoreCache(),
             (int)ApplyRead(g, es, threads, stream, probe));
