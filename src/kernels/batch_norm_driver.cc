@@ -130,10 +130,17 @@ RowRead RowReadOf(const Geometry& g, size_t elem_bytes, int tensors, bool reads_
 //   calls alternating with streamed ones), and leaves y in the L3 for its reader. The frozen
 //   gradient (one sweep, three tensors) lost at 1.2 and 1.6 of it (96x8x8x448 float 463-578 ->
 //   589-932 us).
+// - The 16-bit training gradient of such rows, whose dx sweep rereads dy and x, up to 0.7 of it:
+//   bfloat16 96x35x35x32 0.63-0.90x the time (oneDNN 407-430 us, fbn 446 -> 285-401),
+//   96x17x17x128 0.80-0.95x; at 0.8 96x17x17x160 went either way (0.93-1.15x), at 1.4 the
+//   larger ones too (96x17x17x192 1.14x); float gradients gained nothing at 1.0-1.4.
 constexpr int64_t kKeepRowChannels = 192;
 
-double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors) {
+double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors, bool training_gradient) {
   if (tensors == 2 && g.channels_last && g.c <= kKeepRowChannels) return elem_bytes < 4 ? 1.6 : 1.1;
+  if (training_gradient && elem_bytes < 4 && g.channels_last && g.c <= kKeepRowChannels) {
+    return 0.7;
+  }
   if (elem_bytes < 4) {
     if (!g.channels_last) return 0.0;
     if (g.c > 512) return 0.5;
@@ -141,11 +148,14 @@ double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors) {
   return tensors <= 2 ? 0.8 : 0.6;
 }
 
-bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads) {
+// `training_gradient`: dx of the training gradient, whose sweep rereads dy and x.
+bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads,
+                  bool training_gradient = false) {
   const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
                          static_cast<double>(elem_bytes);
-  const double retained = std::max(static_cast<double>(threads) * L2Bytes(),
-                                   VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors));
+  const double retained =
+      std::max(static_cast<double>(threads) * L2Bytes(),
+               VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors, training_gradient));
   return touched > retained;
 }
 
@@ -414,11 +424,12 @@ constexpr int64_t kColdStreamPlaneBytes = 1024;
 // the input in cache, the usual case when the previous layer has just written it, the output
 // stays in cache for the next layer (streaming it doubles the time).
 bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads,
-                  double probe_bytes, InputProbe& probe, bool short_planes = false) {
+                  double probe_bytes, InputProbe& probe, bool short_planes = false,
+                  bool training_gradient = false) {
   const int64_t es = static_cast<int64_t>(elem_bytes);
   const int64_t min_plane = short_planes ? kStreamLinePlaneBytes : kStreamPlaneBytes;
   if (!g.channels_last && g.s * es < min_plane) return false;
-  if (StreamOutput(g, elem_bytes, tensors, threads)) return true;
+  if (StreamOutput(g, elem_bytes, tensors, threads, training_gradient)) return true;
   const double bytes = static_cast<double>(g.elements() * es);
   if (bytes < probe_bytes) return false;
   if (!g.channels_last && g.s * es < kColdStreamPlaneBytes) return false;
@@ -1593,7 +1604,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
     const KernelEntry& e = Entry(dtype);
     InputProbe probe(g, es, dy);
     const int threads = CallThreads(g, es, 3, probe);
-    const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe);
+    const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe, false, true);
     const int64_t C = g.c, rows = g.n * g.s;
     const RowPartition p = PartitionRows(rows, C, 2.0 * static_cast<double>(es), true);
     const RowRead read = RowReadOf(g, es, 3, true, threads);
@@ -1615,8 +1626,8 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
   const bool by_image = TrainingSumsByImage(g, es);
   const bool fused = FusePerChannel(g, 2.0 * static_cast<double>(es)) && !by_image;
   // Decided before the sums read dy.
-  const bool stream =
-      StreamStores(g, es, 3, threads, kProbeBytes, probe, (fused || by_image) && StreamLines(e));
+  const bool stream = StreamStores(g, es, 3, threads, kProbeBytes, probe,
+                                   (fused || by_image) && StreamLines(e), true);
   if (!fused) prepare(0, g.c);
   if (!fused && !by_image && FuseSplitChannels(g, 2.0 * static_cast<double>(es))) {
     BackwardTrainingSplit(dtype, g, dy, x, k_mean, inv, k1, k2, k0, sum_dy, sum_dy_xc, dx, threads,
