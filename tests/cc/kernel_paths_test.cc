@@ -308,6 +308,19 @@ TEST(RowStatsTest, StatisticsSameForEveryReadHint) {
   }
 }
 
+// Random inputs of a channels-last gradient reduction: rows x C of x and dy, and a mean and k1
+// per channel, drawn in that order from one generator.
+struct GradientInputs {
+  GradientInputs(DataType t, int64_t rows, int64_t C, unsigned seed)
+      : rng(seed),
+        x(RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng)),
+        dy(RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng)),
+        mean(RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng)),
+        k1(RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng)) {}
+  std::mt19937 rng;
+  HostTensor x, dy, mean, k1;
+};
+
 // The gradient sums take wider strips from beyond L2 too, and the sums alone of flushed rows
 // over 128 channels a row-order sweep (bfloat16: in pairs where the range is whole pairs, 256):
 // the same bits either way, with and without dx written in the same sweep (the frozen gradient).
@@ -318,11 +331,8 @@ TEST(RowStatsTest, GradientSumsSameForEveryReadHint) {
     for (const int64_t C : {200, 256, 64}) {
       SCOPED_TRACE("C " + std::to_string(C));
       const int64_t rows = 150;
-      std::mt19937 rng(13);
-      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
-      const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
-      const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
-      const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+      const GradientInputs in(t, rows, C, 13);
+      const HostTensor &x = in.x, &dy = in.dy, &mean = in.mean, &k1 = in.k1;
       const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
       for (bool frozen : {false, true}) {
         SCOPED_TRACE(DTypeTag(t) + (frozen ? " frozen" : " sums only"));
@@ -367,11 +377,8 @@ TEST(RowStatsTest, FrozenGradientStreamedSameAsStored) {
     for (int64_t C : {256, 80, 48, 2048}) {
       SCOPED_TRACE(DTypeTag(t) + " C " + std::to_string(C));
       const int64_t rows = 151;
-      std::mt19937 rng(17);
-      const HostTensor x = RandomTensor(t, Shape{rows * C}, -2.0, 3.0, &rng);
-      const HostTensor dy = RandomTensor(t, Shape{rows * C}, -1.0, 1.0, &rng);
-      const HostTensor mean = RandomTensor(StatsType(t), Shape{C}, -0.5, 0.5, &rng);
-      const HostTensor k1 = RandomTensor(StatsType(t), Shape{C}, 0.5, 1.5, &rng);
+      const GradientInputs in(t, rows, C, 17);
+      const HostTensor &x = in.x, &dy = in.dy, &mean = in.mean, &k1 = in.k1;
       const auto& entry = fbn::kernels::ActiveKernels().entries[static_cast<int>(t)];
       const size_t bytes = static_cast<size_t>(rows * C) * fbn::DataTypeSize(t);
       std::vector<unsigned char> want;
