@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -1070,9 +1069,6 @@ void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, c
   InputProbe probe(g, es, x);
   const int threads = CallThreads(g, es, 2, probe);
   const bool stream = StreamStores(g, es, 2, threads, ProbeBytesOneSweep(es, false), probe);
-  if (getenv("FBN_DBG"))
-    fprintf(stderr, "thr %d stream %d cached %d read %d\n", threads, stream, probe.InCoreCache(),
-            (int)ApplyRead(g, es, threads, stream, probe));
   ApplyWith(dtype, g, x, mean, a, b, y, threads, stream, ApplyRead(g, es, threads, stream, probe));
 }
 
