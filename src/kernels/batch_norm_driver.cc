@@ -10,10 +10,10 @@
 
 #include "kernels/batch_norm_kernels.h"
 #include "kernels/cache_probe.h"
+#include "kernels/call_tuning.h"
 #include "kernels/channel_math.h"
 #include "kernels/convert.h"
 #include "kernels/kernel_table.h"
-#include "kernels/thread_tuning.h"
 #include "threading/thread_pool.h"
 
 namespace fbn::kernels {
@@ -156,6 +156,30 @@ bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads
       std::max(static_cast<double>(threads) * L2Bytes(),
                VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors, training_gradient));
   return touched > retained;
+}
+
+// 16-bit channels-last rows of up to kKeepRowChannels whose forward pass (x in, y out) or training
+// gradient (dy and x in, dx out) touches more than the L3 but fits the L3s of a host that puts the
+// two cores on two of them (up to this many times one L3) keep their output or stream it by the
+// shape's own recent times (CallTuning::KeepOutput), where StreamOutput or the probe would stream
+// it. Keeping it pays when the L3s hold most of the call's tensors, which depends on where the host
+// put the cores and on what ran before, and which the probe's four loads cannot tell on such
+// tensors (warm 51 MB bfloat16 inputs read them in 290-380 ns, flushed ones in 651+). Calls whose
+// probe finds every line in DRAM stream without asking. fbn_bench, tuned / always streamed
+// (FBN_TUNE_STORES=0), alternating processes: warm bfloat16 inference 96x35x35x96 0.70x the time,
+// 128x28x28x128 0.71x, 32x56x56x128 0.86x; training forward 0.84x, 0.87x, 1.05x (six rounds, two
+// near, four far); training gradient 32x56x56x64 0.76x, 96x35x35x64 0.89x, 96x35x35x96 0.95x
+// (four rounds, far); cold 0.91-1.05x. Float rows and wider 16-bit rows lost with their outputs
+// kept (in one process, far: 1.3-3x the streamed time; float 96x17x17x192 inference 2.1x), so
+// they always stream.
+constexpr double kTunedKeepL3s = 2.0;
+
+bool TunedKeep(const Geometry& g, size_t elem_bytes, int tensors, bool training_gradient) {
+  const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
+                         static_cast<double>(elem_bytes);
+  const double l3 = VictimL3Bytes();
+  return (tensors == 2 || training_gradient) && g.channels_last && elem_bytes < 4 &&
+         g.c <= kKeepRowChannels && touched > l3 && touched <= kTunedKeepL3s * l3;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -346,13 +370,17 @@ class InputProbe {
   InputProbe(const Geometry& g, size_t elem_bytes, const void* in)
       : g_(g), es_(static_cast<int64_t>(elem_bytes)), in_(in) {}
 
-  bool InCoreCache() {
-    if (state_ == kUnknown) state_ = Probe() ? kCached : kNotCached;
-    return state_ == kCached;
-  }
+  bool InCoreCache() { return LoadedFromCoreCache(Nanoseconds()); }
+  // Whether every line probed came from DRAM (InCoreCache is false then too).
+  bool FromDram() { return LoadedFromDram(Nanoseconds()); }
 
  private:
-  bool Probe() const {
+  int64_t Nanoseconds() {
+    if (nanoseconds_ < 0) nanoseconds_ = Probe();
+    return nanoseconds_;
+  }
+
+  int64_t Probe() const {
     const int64_t threads = threading::NumThreads();
     const void* lines[kProbeLines];
     constexpr int64_t kHalves = 2 * kProbeLines;
@@ -371,14 +399,13 @@ class InputProbe {
         lines[k] = Offset(in_, (2 * k + 1) * (g_.elements() / threads) / kHalves, es_);
       }
     }
-    return LinesInCoreCache(lines);
+    return ChainedLoadNanoseconds(lines);
   }
 
-  enum State { kUnknown, kCached, kNotCached };
   const Geometry& g_;
   int64_t es_;
   const void* in_;
-  State state_ = kUnknown;
+  int64_t nanoseconds_ = -1;  // not probed yet
 };
 
 // Whether a call reads its input from memory: a tensor large enough to probe (`bytes_per_element`
@@ -405,7 +432,7 @@ int CallThreads(const Geometry& g, size_t elem_bytes, int tensors, InputProbe& p
     threads = std::min<int>(threading::NumThreads(),
                             static_cast<int>(std::max<int64_t>(1, traffic / kColdBytesPerThread)));
   }
-  return ThreadTuning::Threads(threads, traffic);
+  return CallTuning::Threads(threads, traffic);
 }
 
 // Channels-first calls that would stream only because their input is not in cache (the output
@@ -428,11 +455,15 @@ bool StreamStores(const Geometry& g, size_t elem_bytes, int tensors, int threads
   const int64_t es = static_cast<int64_t>(elem_bytes);
   const int64_t min_plane = short_planes ? kStreamLinePlaneBytes : kStreamPlaneBytes;
   if (!g.channels_last && g.s * es < min_plane) return false;
-  if (StreamOutput(g, elem_bytes, tensors, threads, training_gradient)) return true;
-  const double bytes = static_cast<double>(g.elements() * es);
-  if (bytes < probe_bytes) return false;
-  if (!g.channels_last && g.s * es < kColdStreamPlaneBytes) return false;
-  return !probe.InCoreCache();
+  const auto streams = [&] {
+    if (StreamOutput(g, elem_bytes, tensors, threads, training_gradient)) return true;
+    const double bytes = static_cast<double>(g.elements() * es);
+    if (bytes < probe_bytes) return false;
+    if (!g.channels_last && g.s * es < kColdStreamPlaneBytes) return false;
+    return !probe.InCoreCache();
+  };
+  return streams() && !(TunedKeep(g, elem_bytes, tensors, training_gradient) && !probe.FromDram() &&
+                        CallTuning::KeepOutput());
 }
 
 // Channels-last reduction tasks: contiguous ranges of rows, and when there are too few rows to
@@ -959,7 +990,7 @@ void ComputeStatsWith(DataType dtype, const Geometry& g, const void* x, int thre
 
 void ComputeStats(DataType dtype, const Geometry& g, const void* x, double* mean,
                   double* variance) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kStats, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kStats, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1058,7 +1089,7 @@ void ApplyWith(DataType dtype, const Geometry& g, const void* x, const void* mea
 
 void Apply(DataType dtype, const Geometry& g, const void* x, const void* mean, const void* a,
            const void* b, void* y) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kApply, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kApply, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1169,7 +1200,7 @@ void ReduceImpl(DataType dtype, const Geometry& g, const void* dy, const void* x
 
 void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, double* sum_dy, double* sum_dy_xc) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardReduce, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kBackwardReduce, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1185,7 +1216,7 @@ void BackwardReduce(DataType dtype, const Geometry& g, const void* dy, const voi
 void FrozenBackward(DataType dtype, const Geometry& g, const void* dy, const void* x,
                     const void* mean, const void* k1, void* dx, double* sum_dy, double* sum_dy_xc,
                     ChannelStep prepare, ChannelStep finish) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kFrozenBackward, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kFrozenBackward, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1226,7 +1257,7 @@ void BackwardApplyWith(DataType dtype, const Geometry& g, const void* dy, const 
 
 void BackwardApply(DataType dtype, const Geometry& g, const void* dy, const void* x,
                    const void* mean, const void* k1, const void* k2, const void* k0, void* dx) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardApply, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kBackwardApply, dtype, g);
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es, true); how != Swap::kNo) {
     const SwappedCall call(how, dtype, g);
@@ -1516,7 +1547,7 @@ void ForwardTrainingGroups(DataType dtype, const Geometry& g, const void* x, con
 void ForwardTraining(DataType dtype, const Geometry& g, const void* x, const void* scale,
                      const void* offset, double eps, double* mean, double* variance, void* k_mean,
                      void* k_a, void* k_b, void* y, ChannelStep finish) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kForwardTraining, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kForwardTraining, dtype, g);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {
@@ -1584,7 +1615,7 @@ void BackwardTraining(DataType dtype, const Geometry& g, const void* dy, const v
                       const void* k_mean, const double* inv, const void* k1, void* k2, void* k0,
                       double* sum_dy, double* sum_dy_xc, void* dx, ChannelStep prepare,
                       ChannelStep finish) {
-  const ThreadTuning tuning(ThreadTuning::Entry::kBackwardTraining, dtype, g);
+  const CallTuning tuning(CallTuning::Entry::kBackwardTraining, dtype, g);
   const bool wide = dtype == DataType::kFloat64;
   const size_t es = ElemBytes(dtype);
   if (const Swap how = SwapOf(g, es); how != Swap::kNo) {

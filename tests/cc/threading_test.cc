@@ -178,7 +178,7 @@ TEST_P(ThreadCountTest, BitIdenticalForAnyThreadCount) {
 }
 
 // Small calls choose between one thread and all threads by their own recent times
-// (kernels/thread_tuning.h), so repeated calls of one shape run both ways: every repetition must
+// (kernels/call_tuning.h), so repeated calls of one shape run both ways: every repetition must
 // give the first call's bits.
 TEST(ThreadCount, RepeatedSmallCallsKeepTheirBits) {
   for (const Workload& w : {kWorkloads[4], kWorkloads[5]}) {
@@ -192,6 +192,30 @@ TEST(ThreadCount, RepeatedSmallCallsKeepTheirBits) {
       for (size_t i = 0; i < first.bytes.size(); ++i) {
         ASSERT_TRUE(again.bytes[i] == first.bytes[i]) << "repetition " << rep << " output " << i;
       }
+    }
+  }
+  fbn::SetNumThreads(0);
+}
+
+// Channels-last 16-bit forward passes whose x and y fit the two L3s of a host that splits the
+// cores keep y or stream it by the shape's own recent times (kernels/call_tuning.h), so repeated
+// calls write y both ways: every repetition must give the first call's bits.
+TEST(ThreadCount, RepeatedL3SizedForwardsKeepTheirBits) {
+  const Workload w{"nhwc_l3_sized", TensorFormat::kNHWC, {32, 56, 56, 128}};
+  const Inputs in = MakeInputs(DataType::kBFloat16, w, 9);
+  fbn::SetNumThreads(2);
+  for (bool training : {true, false}) {
+    SCOPED_TRACE(training ? "training" : "inference");
+    fbn::FusedBatchNormAttrs attrs;
+    attrs.data_format = w.format;
+    attrs.is_training = training;
+    ForwardIO f = ForwardInputs(in);
+    f.AllocateOutputs(OpVersion::kV3, attrs);
+    ASSERT_TRUE(fbn::FusedBatchNorm(OpVersion::kV3, f.Inputs(), attrs, f.Outputs()).ok());
+    const std::vector<unsigned char> first = f.y.RawBytes();
+    for (int rep = 0; rep < 60; ++rep) {
+      ASSERT_TRUE(fbn::FusedBatchNorm(OpVersion::kV3, f.Inputs(), attrs, f.Outputs()).ok());
+      ASSERT_TRUE(f.y.RawBytes() == first) << "repetition " << rep;
     }
   }
   fbn::SetNumThreads(0);

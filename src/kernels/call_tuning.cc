@@ -1,4 +1,4 @@
-#include "kernels/thread_tuning.h"
+#include "kernels/call_tuning.h"
 
 #include <array>
 #include <cstdlib>
@@ -6,8 +6,8 @@
 namespace fbn::kernels {
 namespace {
 
-constexpr int kAll = 0;  // all threads (the untuned count)
-constexpr int kOne = 1;  // one thread
+constexpr int kDefault = 0;      // all threads; streaming stores
+constexpr int kAlternative = 1;  // one thread; regular stores
 // After a switch, the first calls move the data between the cores' caches and wake or idle the
 // workers: only the calls after this many in a row of one choice are timed.
 constexpr int kUntimedCalls = 2;
@@ -25,18 +25,20 @@ constexpr int kFirstSamples = 4;
 constexpr int kFirstRetryPeriod = 8;
 constexpr int kShapes = 64;  // shapes remembered per calling thread (direct-mapped)
 
-bool TuningOn() {
-  static const bool on = [] {
-    const char* env = std::getenv("FBN_TUNE_THREADS");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return on;
+bool EnvOn(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr || std::atoi(env) != 0;
+}
+bool TuningOn(CallTuning::Question question) {
+  static const bool threads = EnvOn("FBN_TUNE_THREADS"), stores = EnvOn("FBN_TUNE_STORES");
+  return question == CallTuning::Question::kThreads ? threads : stores;
 }
 
 }  // namespace
 
-struct ThreadTuning::Shape {
+struct CallTuning::Shape {
   uint64_t key = 0;
+  Question question = Question::kThreads;
   double time[2] = {0, 0};  // moving averages, seconds
   int samples[2] = {0, 0};
   int since_retry = 0;  // calls since the last retry
@@ -46,9 +48,9 @@ struct ThreadTuning::Shape {
   int current = 0;  // the choice of the call in progress
 
   int Best() const {
-    if (samples[kAll] == 0) return kAll;
-    if (samples[kOne] == 0) return kOne;
-    return time[kOne] < time[kAll] ? kOne : kAll;
+    if (samples[kDefault] == 0) return kDefault;
+    if (samples[kAlternative] == 0) return kAlternative;
+    return time[kAlternative] < time[kDefault] ? kAlternative : kDefault;
   }
   void Record(double seconds) {
     const int k = current;
@@ -71,8 +73,8 @@ struct ThreadTuning::Shape {
 namespace {
 
 struct State {
-  std::array<ThreadTuning::Shape, kShapes> shapes;
-  ThreadTuning* open = nullptr;  // the outermost tuned call in progress
+  std::array<CallTuning::Shape, kShapes> shapes;
+  CallTuning* open = nullptr;  // the outermost tuned call in progress
 };
 thread_local State t_state;
 
@@ -83,9 +85,11 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 }  // namespace
 
-ThreadTuning::ThreadTuning(Entry entry, DataType dtype, const Geometry& g) {
+CallTuning::CallTuning(Entry entry, DataType dtype, const Geometry& g) {
   State& st = t_state;
-  if (st.open != nullptr || !TuningOn()) return;
+  if (st.open != nullptr || (!TuningOn(Question::kThreads) && !TuningOn(Question::kStores))) {
+    return;
+  }
   uint64_t key = 1;
   for (const int64_t v : {static_cast<int64_t>(entry), static_cast<int64_t>(dtype),
                           static_cast<int64_t>(g.channels_last), g.n, g.c, g.s}) {
@@ -95,17 +99,17 @@ ThreadTuning::ThreadTuning(Entry entry, DataType dtype, const Geometry& g) {
   st.open = this;
 }
 
-// The call's first part that would use several threads: the shape's choice for this call, and
-// the clock starts (calls that never get here, one-thread and large ones, are not timed).
-ThreadTuning::Shape& ThreadTuning::Begin() {
+// The call's first question: the shape's choice for this call, and the clock starts (calls that
+// ask nothing, one-thread ones and large ones away from the L3's size, are not timed).
+CallTuning::Shape& CallTuning::Begin(Question question) {
   Shape& sh = t_state.shapes[key_ % kShapes];
-  if (sh.key != key_) sh = Shape{key_};
+  if (sh.key != key_ || sh.question != question) sh = Shape{key_, question};
   if (sh.retry_left > 0) {
     --sh.retry_left;  // `current` stays the other choice
   } else {
     sh.current = sh.Best();
     const int other = 1 - sh.current;
-    if (sh.samples[kOne] > 0 && sh.samples[kAll] > 0 &&
+    if (sh.samples[kAlternative] > 0 && sh.samples[kDefault] > 0 &&
         ++sh.since_retry >= (sh.samples[other] < kFirstSamples
                                  ? kFirstRetryPeriod
                                  : RetryPeriod(sh.time[other], sh.time[sh.current]))) {
@@ -119,7 +123,7 @@ ThreadTuning::Shape& ThreadTuning::Begin() {
   return sh;
 }
 
-ThreadTuning::~ThreadTuning() {
+CallTuning::~CallTuning() {
   State& st = t_state;
   if (st.open != this) return;
   st.open = nullptr;
@@ -132,11 +136,20 @@ ThreadTuning::~ThreadTuning() {
   if (sh.in_row > kUntimedCalls) sh.Record(seconds);
 }
 
-int ThreadTuning::Threads(int threads, int64_t traffic) {
-  ThreadTuning* call = t_state.open;
-  if (call == nullptr || threads <= 1 || traffic > kMaxTraffic) return threads;
-  const Shape& sh = call->shape_ != nullptr ? *call->shape_ : call->Begin();
-  return sh.current == kOne ? 1 : threads;
+bool CallTuning::Alternative(Question question) {
+  CallTuning* call = t_state.open;
+  if (call == nullptr || call->key_ == 0 || !TuningOn(question)) return false;
+  // A call answers one question: the parts of a call that asked the other keep their default.
+  if (call->shape_ != nullptr && call->shape_->question != question) return false;
+  const Shape& sh = call->shape_ != nullptr ? *call->shape_ : call->Begin(question);
+  return sh.current == kAlternative;
 }
+
+int CallTuning::Threads(int threads, int64_t traffic) {
+  if (threads <= 1 || traffic > kMaxTraffic) return threads;
+  return Alternative(Question::kThreads) ? 1 : threads;
+}
+
+bool CallTuning::KeepOutput() { return Alternative(Question::kStores); }
 
 }  // namespace fbn::kernels
