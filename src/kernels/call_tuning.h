@@ -17,9 +17,10 @@ namespace fbn::kernels {
 // threads as on one in some stretches of time and half as long in others, even within one process
 // (fbn_bench, 2-vCPU Zen 4 VM: 1x7x7x512 float training forward 17 or 6 us on two threads, a
 // steady 5.2 us on one; 1x7x7x2048 bfloat16 inference 18-22 or 7.4 us on two, 9.2 on one).
-// Likewise whether an output a little larger than the share of the L3 a call may keep
-// (StreamOutput in the driver) is better kept with regular stores depends on what the L3s hold
-// and whether the two cores share one, which a few timed loads cannot tell (KeepOutput).
+// Likewise whether a call that touches one to two L3s' worth of memory, and would stream its
+// output (beyond the share of the L3 it may keep, or with its input found partly out of cache),
+// does better keeping it with regular stores depends on what the L3s hold and whether the two
+// cores share one, which a few timed loads cannot tell (KeepOutput; TunedKeep in the driver).
 //
 // So such calls time themselves: per shape, each calling thread keeps how long the call lately
 // took with the default and with the alternative, runs the faster, and retries the other now and
