@@ -135,11 +135,18 @@ RowRead RowReadOf(const Geometry& g, size_t elem_bytes, int tensors, bool reads_
 //   larger ones too (96x17x17x192 1.14x); float gradients gained nothing at 1.0-1.4.
 constexpr int64_t kKeepRowChannels = 192;
 
+// Channels-last rows of up to kKeepRowChannels, the rows that keep the most of the L3.
+bool KeepRows(const Geometry& g) { return g.channels_last && g.c <= kKeepRowChannels; }
+
+// What a call moves: `tensors` tensors of g's size.
+double TouchedBytes(const Geometry& g, size_t elem_bytes, int tensors) {
+  return static_cast<double>(tensors) * static_cast<double>(g.elements()) *
+         static_cast<double>(elem_bytes);
+}
+
 double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors, bool training_gradient) {
-  if (tensors == 2 && g.channels_last && g.c <= kKeepRowChannels) return elem_bytes < 4 ? 1.6 : 1.1;
-  if (training_gradient && elem_bytes < 4 && g.channels_last && g.c <= kKeepRowChannels) {
-    return 0.7;
-  }
+  if (tensors == 2 && KeepRows(g)) return elem_bytes < 4 ? 1.6 : 1.1;
+  if (training_gradient && elem_bytes < 4 && KeepRows(g)) return 0.7;
   if (elem_bytes < 4) {
     if (!g.channels_last) return 0.0;
     if (g.c > 512) return 0.5;
@@ -150,8 +157,7 @@ double L3KeepShare(const Geometry& g, size_t elem_bytes, int tensors, bool train
 // `training_gradient`: dx of the training gradient, whose sweep rereads dy and x.
 bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads,
                   bool training_gradient = false) {
-  const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
-                         static_cast<double>(elem_bytes);
+  const double touched = TouchedBytes(g, elem_bytes, tensors);
   const double retained =
       std::max(static_cast<double>(threads) * L2Bytes(),
                VictimL3Bytes() * L3KeepShare(g, elem_bytes, tensors, training_gradient));
@@ -175,11 +181,10 @@ bool StreamOutput(const Geometry& g, size_t elem_bytes, int tensors, int threads
 constexpr double kTunedKeepL3s = 2.0;
 
 bool TunedKeep(const Geometry& g, size_t elem_bytes, int tensors, bool training_gradient) {
-  const double touched = static_cast<double>(tensors) * static_cast<double>(g.elements()) *
-                         static_cast<double>(elem_bytes);
+  const double touched = TouchedBytes(g, elem_bytes, tensors);
   const double l3 = VictimL3Bytes();
-  return (tensors == 2 || training_gradient) && g.channels_last && elem_bytes < 4 &&
-         g.c <= kKeepRowChannels && touched > l3 && touched <= kTunedKeepL3s * l3;
+  return (tensors == 2 || training_gradient) && elem_bytes < 4 && KeepRows(g) && touched > l3 &&
+         touched <= kTunedKeepL3s * l3;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -138,7 +138,7 @@ CallTuning::~CallTuning() {
 
 bool CallTuning::Alternative(Question question) {
   CallTuning* call = t_state.open;
-  if (call == nullptr || call->key_ == 0 || !TuningOn(question)) return false;
+  if (call == nullptr || !TuningOn(question)) return false;  // an open call has its key
   // A call answers one question: the parts of a call that asked the other keep their default.
   if (call->shape_ != nullptr && call->shape_->question != question) return false;
   const Shape& sh = call->shape_ != nullptr ? *call->shape_ : call->Begin(question);
